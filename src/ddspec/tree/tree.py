@@ -1,0 +1,112 @@
+"""The draft tree: root + drafted nodes in topological order, and what is derived from it.
+
+A tree of N nodes is four 1-D tensors on one device. Node 0 is the root (the newest token
+already chosen from the target); every other node is a drafted token whose parent has a
+smaller index (``parents[i] < i``), so the nodes are in topological order and one pass from
+0 to N-1 visits parents before children. Siblings carry distinct tokens.
+
+Host syncs: constructing a tree checks its invariants with one sync; ``leaf_paths`` and
+``path_to`` read the parents to the host. ``attention_mask`` and ``positions`` never sync.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Root + drafted nodes. Invariants are checked on construction (one host sync)."""
+
+    tokens: torch.Tensor  # [N] int64, tokens[0] = the root token
+    parents: torch.Tensor  # [N] int64, parents[0] = -1, 0 <= parents[i] < i for i > 0
+    depths: torch.Tensor  # [N] int64, depths[0] = 0, depths[i] = depths[parents[i]] + 1
+    scores: torch.Tensor  # [N] float32, sum of draft log-probs along the path, scores[0] = 0
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        for name in ("tokens", "parents", "depths", "scores"):
+            value = getattr(self, name)
+            assert value.dim() == 1 and value.shape[0] == n and n >= 1, f"{name} must be [N], N >= 1"
+        assert self.tokens.dtype == self.parents.dtype == self.depths.dtype == torch.int64
+        assert self.scores.dtype == torch.float32, "scores must be float32"
+        # host sync (one): every invariant is reduced on the device, then read at once
+        root_ok, topo_ok, depth_ok, siblings_ok = self._invariants().tolist()
+        assert root_ok, "node 0 must be the root: parents[0] = -1, depths[0] = 0, tokens >= 0"
+        assert topo_ok, "nodes must be in topological order: 0 <= parents[i] < i for i > 0"
+        assert depth_ok, "depths[i] must equal depths[parents[i]] + 1"
+        assert siblings_ok, "siblings must carry distinct tokens"
+
+    def _invariants(self) -> torch.Tensor:
+        """[4] bool: root, topological order, depths, distinct siblings (no sync)."""
+        index = torch.arange(self.size, device=self.parents.device)  # [N]
+        parent = self.parents[1:]  # [N-1]
+        root_ok = (self.parents[0] == -1) & (self.depths[0] == 0) & (self.tokens >= 0).all()
+        topo_ok = ((parent >= 0) & (parent < index[1:])).all()
+        depth_ok = (self.depths[1:] == self.depths[parent.clamp(min=0)] + 1).all()
+        width = self.tokens.max() + 1
+        keys = torch.sort((self.parents + 1) * width + self.tokens).values  # [N]
+        siblings_ok = (keys[1:] != keys[:-1]).all()
+        return torch.stack([root_ok, topo_ok, depth_ok, siblings_ok])
+
+    @property
+    def size(self) -> int:
+        """N, the number of nodes including the root (no sync: a shape)."""
+        return self.tokens.shape[0]
+
+    @classmethod
+    def root_only(cls, token: int | torch.Tensor) -> DraftTree:
+        """The tree of plain decoding: the root alone."""
+        tokens = torch.as_tensor(token, dtype=torch.int64).reshape(1)  # [1]
+        zeros = torch.zeros(1, dtype=torch.int64, device=tokens.device)  # [1]
+        return cls(tokens, zeros - 1, zeros, torch.zeros(1, device=tokens.device))
+
+    @classmethod
+    def chain(cls, root_token: int | torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> DraftTree:
+        """A chain: root -> tokens[0] -> tokens[1] -> ...  tokens, logprobs: [d]."""
+        d = tokens.shape[0]
+        root = torch.as_tensor(root_token, dtype=torch.int64, device=tokens.device).reshape(1)  # [1]
+        steps = torch.arange(d + 1, dtype=torch.int64, device=tokens.device)  # [d+1]
+        scores = torch.cat([logprobs.new_zeros(1).float(), logprobs.float().cumsum(0)])  # [d+1]
+        return cls(torch.cat([root, tokens.long()]), steps - 1, steps, scores)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[N, N] bool: row i is True exactly at i's ancestors and at i itself.
+
+        Row i = row parents[i] | {i}, computed for all rows at once by pointer jumping:
+        after r rounds each row holds the ancestors up to distance 2^r, so ceil(log2 N)
+        rounds suffice whatever the depth (no sync).
+        """
+        n = self.size
+        up = self.parents.clamp(min=0)  # [N], the root is its own parent here
+        mask = torch.eye(n, dtype=torch.bool, device=up.device)  # [N, N]
+        mask[torch.arange(n, device=up.device), up] = True  # distances 0 and 1
+        for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
+            mask = mask | mask[up]  # [N, N], distances 0 .. 2 * jump
+            up = up[up]  # [N], ancestor at twice the distance (saturating at the root)
+        return mask
+
+    def positions(self, offset: int | torch.Tensor) -> torch.Tensor:
+        """[N] int64 absolute positions: offset (the root's position) + depth."""
+        return self.depths + offset
+
+    def leaf_paths(self) -> list[list[int]]:
+        """Root-to-leaf node indices for every leaf, leaves in index order (host sync)."""
+        parents = self.parents.tolist()  # host sync
+        has_child = set(parents[1:])
+        return [self._walk_up(parents, leaf) for leaf in range(len(parents)) if leaf not in has_child]
+
+    def path_to(self, node: int) -> torch.Tensor:
+        """[depth(node) + 1] int64 node indices from the root down to `node` (host sync)."""
+        parents = self.parents.tolist()  # host sync
+        return torch.tensor(self._walk_up(parents, node), dtype=torch.int64, device=self.parents.device)
+
+    @staticmethod
+    def _walk_up(parents: list[int], node: int) -> list[int]:
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]

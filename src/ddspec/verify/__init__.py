@@ -1,0 +1,34 @@
+"""Verification: which drafted tokens the target accepts, and its bonus token.
+
+Imports no model code: only torch, the standard library, ddspec's config/sampling and the
+tree it verifies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddspec.config import SamplingConfig
+from ddspec.tree.tree import DraftTree
+from ddspec.verify.greedy import Verdict, verify_greedy, verify_greedy_reference
+from ddspec.verify.sampling import verify_sampling, verify_sampling_reference
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> Verdict:
+    """Greedy verification at temperature 0, lossless sampling verification otherwise.
+
+    logits: [N, V] the target's output at each node of `tree`.
+    """
+    if cfg.greedy:
+        return verify_greedy(tree, logits)
+    return verify_sampling(tree, logits, cfg, generator)
+
+
+__all__ = [
+    "Verdict",
+    "verify",
+    "verify_greedy",
+    "verify_greedy_reference",
+    "verify_sampling",
+    "verify_sampling_reference",
+]

@@ -1,0 +1,66 @@
+"""Greedy verification (temperature 0) and the verdict every verifier returns.
+
+Glossary (DESIGN.md §1): **accepted** nodes are drafted tokens the target agrees with in
+this step; the **bonus** token is the target's own next token after the last accepted node
+and becomes the next root. A step emits ``accepted + 1`` tokens.
+
+Greedy rule: walk from the root; at each accepted node take the target's argmax; if a child
+carries it, accept that child and go on, else stop; the argmax at the last accepted node is
+the bonus. Siblings carry distinct tokens (a DraftTree invariant), so the walk is unique.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddspec.tree.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of verifying one tree."""
+
+    path: torch.Tensor  # [a+1] int64 node indices: path[0] = 0 (the root), then accepted nodes by depth
+    bonus: torch.Tensor  # [] int64 the target's next token after path[-1]; the next root
+
+    @property
+    def accepted(self) -> int:
+        """a, the number of accepted drafted tokens (no sync: a shape)."""
+        return self.path.shape[0] - 1
+
+    def emitted(self, tree: DraftTree) -> torch.Tensor:
+        """[a+1] int64 tokens this step emits: the accepted nodes' tokens, then the bonus."""
+        return torch.cat([tree.tokens[self.path[1:]], self.bonus.reshape(1)])
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Vectorised greedy verification.  logits: [N, V], the target's output at each node.
+
+    Node i matches when its token is the argmax at its parent; it is accepted when it and
+    all its non-root ancestors match. The deepest accepted node ends the path. One host sync.
+    """
+    target = logits.argmax(dim=-1)  # [N] the target's own next token after each node
+    match = tree.tokens == target[tree.parents.clamp(min=0)]  # [N]
+    match[0] = True  # the root is not a drafted token
+    ancestors = tree.attention_mask()  # [N, N] row i: i's ancestors and i
+    accepted = ~(ancestors & ~match).any(dim=-1)  # [N] every node on the path matches
+    last = torch.where(accepted, tree.depths, -1).argmax()  # [] deepest accepted node
+    path = ancestors[last].nonzero().squeeze(1)  # [a+1] host sync; ancestors ascend in index
+    return Verdict(path=path, bonus=target[last])
+
+
+def verify_greedy_reference(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """The obvious loop, for tests: walk down from the root while a child is the argmax."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    path = [0]
+    while True:
+        best = int(logits[path[-1]].argmax())
+        children = [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == best]
+        if not children:
+            return Verdict(
+                path=torch.tensor(path, dtype=torch.int64, device=logits.device),
+                bonus=torch.tensor(best, dtype=torch.int64, device=logits.device),
+            )
+        path.append(children[0])

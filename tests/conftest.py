@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random models (built once per session) and thread settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, object]:
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny_model_dir(root / f, f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tiny_dirs) -> dict[tuple[str, str], object]:
+    """(family, impl) -> target, for impl in native / hf."""
+    from ddspec.models.loading import load_target
+
+    return {(f, impl): load_target(str(d), impl=impl) for f, d in tiny_dirs.items() for impl in ("native", "hf")}
+
+
+@pytest.fixture(scope="session")
+def default_native():
+    from ddspec.models.loading import load_target
+
+    return load_target("default", impl="native")
+
+
+@pytest.fixture(scope="session")
+def default_hf():
+    from ddspec.models.loading import load_target
+
+    return load_target("default", impl="hf")

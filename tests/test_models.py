@@ -1,0 +1,160 @@
+"""Target implementations: native vs HF parity, tree forward parity, KV keep-path and truncate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+
+IMPLS = ("native", "hf")
+TOL = 1e-4
+
+
+def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [n] with parents[0] = -1 and parents[i] < i; depths [n]."""
+    parents = torch.full((n,), -1, dtype=torch.long)
+    depths = torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        parents[i] = int(torch.randint(0, i, (1,), generator=gen))
+        depths[i] = depths[parents[i]] + 1
+    return parents, depths
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    n = parents.numel()
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        if parents[i] >= 0:
+            mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return mask
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_matches_hf_logits(tiny_targets, family):
+    native, hf = tiny_targets[(family, "native")], tiny_targets[(family, "hf")]
+    tokens = torch.randint(0, native.info.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for t in (native, hf):
+        t.reset(64)
+        outs.append(t.forward(tokens, torch.arange(23)))
+    assert (outs[0].logits - outs[1].logits).abs().max() <= TOL
+    assert (outs[0].features - outs[1].features).abs().max() <= TOL
+    assert outs[0].logits.std() > 0.1  # not a degenerate model
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_matches_sequential_paths(tiny_targets, family, impl):
+    target = tiny_targets[(family, impl)]
+    gen = torch.Generator().manual_seed(7)
+    vocab = target.info.vocab_size
+    prefix = torch.randint(0, vocab, (9,), generator=gen)
+    n = 14
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    parents, depths = random_tree(n, gen)
+    target.reset(64)
+    target.forward(prefix, torch.arange(9))
+    target.commit(torch.arange(9))
+    tree_out = target.forward(tokens, 9 + depths, ancestor_mask(parents))
+    leaves = set(range(n)) - set(parents.tolist())
+    for leaf in sorted(leaves):
+        path = path_to(parents, leaf)
+        target.truncate(9)
+        seq = target.forward(tokens[path], 9 + torch.arange(len(path)))
+        diff = (seq.logits - tree_out.logits[path]).abs().max()
+        assert diff <= TOL, f"path {path}: max abs diff {diff}"
+        assert (seq.features - tree_out.features[path]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_keeps_accepted_path_then_decoding_continues(tiny_targets, impl):
+    target = tiny_targets[("llama", impl)]
+    gen = torch.Generator().manual_seed(3)
+    vocab = target.info.vocab_size
+    prefix = torch.randint(0, vocab, (6,), generator=gen)
+    tokens = torch.randint(0, vocab, (10,), generator=gen)
+    parents, depths = random_tree(10, gen)
+    deepest = int(depths.argmax())
+    path = path_to(parents, deepest)
+    nxt = torch.randint(0, vocab, (1,), generator=gen)
+
+    target.reset(64)
+    target.forward(prefix, torch.arange(6))
+    target.commit(torch.arange(6))
+    target.forward(tokens, 6 + depths, ancestor_mask(parents))
+    target.commit(torch.tensor(path))
+    assert target.cache_length == 6 + len(path)
+    after_tree = target.forward(nxt, torch.tensor([6 + len(path)]))
+
+    target.reset(64)
+    ref = target.forward(torch.cat([prefix, tokens[path], nxt]), torch.arange(7 + len(path)))
+    assert (after_tree.logits[0] - ref.logits[-1]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_truncate_then_redecode(tiny_targets, impl):
+    target = tiny_targets[("qwen2", impl)]
+    tokens = torch.randint(0, target.info.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    target.reset(32)
+    full = target.forward(tokens, torch.arange(12))
+    target.truncate(8)
+    assert target.cache_length == 8
+    again = target.forward(tokens[8:], torch.arange(8, 12))
+    assert (again.logits - full.logits[8:]).abs().max() <= TOL
+
+
+def test_static_cache_keep_and_truncate():
+    from ddspec.kv_cache import StaticKVCache
+
+    cache = StaticKVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_length=10)
+    k = torch.arange(5, dtype=torch.float32).view(1, 1, 5, 1).expand(1, 1, 5, 2)
+    for layer in range(2):
+        cache.write(layer, k, -k)
+    cache.advance(5)
+    cache.keep(torch.tensor([0, 2, 4]))
+    assert cache.length == 3
+    assert cache.keys[0, 0, 0, :3, 0].tolist() == [0.0, 2.0, 4.0]
+    assert cache.values[1, 0, 0, :3, 0].tolist() == [0.0, -2.0, -4.0]
+    cache.truncate(1)
+    assert cache.length == 1
+    with pytest.raises(ValueError):
+        cache.truncate(5)
+    with pytest.raises(ValueError):
+        cache.check_room(10)
+
+
+def test_hidden_layers_are_returned(tiny_targets):
+    native, hf = tiny_targets[("llama", "native")], tiny_targets[("llama", "hf")]
+    tokens = torch.arange(2, 9)
+    outs = []
+    for t in (native, hf):
+        t.reset(16)
+        outs.append(t.forward(tokens, torch.arange(7), hidden_layers=(0, 1, 2)))
+    for i in (0, 1, 2):
+        assert (outs[0].hidden_states[i] - outs[1].hidden_states[i]).abs().max() <= TOL
+    assert torch.equal(outs[0].hidden_states[0], native.embed(tokens))
+
+
+def test_forward_batch_matches_single(tiny_targets):
+    native = tiny_targets[("llama", "native")]
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randint(0, 128, (10,), generator=gen)
+    b = torch.randint(0, 128, (6,), generator=gen)
+    batch = torch.zeros(2, 10, dtype=torch.long)
+    batch[0], batch[1, :6] = a, b
+    attn = torch.zeros(2, 10, dtype=torch.bool)
+    attn[0], attn[1, :6] = True, True
+    feats = native.forward_batch(batch, attn)
+    for seq, row in ((a, 0), (b, 1)):
+        native.reset(16)
+        single = native.forward(seq, torch.arange(len(seq)))
+        assert (feats[row, : len(seq)] - single.features).abs().max() <= TOL
