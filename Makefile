@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) scripts/bench_target.py
+	$(PY) -m ddspec.bench.target --out docs/bench_target.md
 
 clean:
 	rm -rf $(VENV)

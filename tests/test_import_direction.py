@@ -22,7 +22,8 @@ def _is_under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 def test_importing_tree_and_verify_loads_no_model_code():
     code = "import sys, json, ddspec.tree, ddspec.verify; print(json.dumps(sorted(sys.modules)))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     loaded = json.loads(result.stdout)
     assert "ddspec.tree" in loaded and "ddspec.verify" in loaded

@@ -138,7 +138,8 @@ def test_rerank_breaks_exact_ties_towards_shallower_nodes():
     # candidates listed deepest first; all scores equal (children with log-prob 0)
     depths = [3, 2, 2, 1, 1]
     parents = [1, 4, 3, -1, -1]  # c0 <- c1 <- c4 ; c2 <- c3
-    cands = Candidates(torch.tensor([5, 4, 3, 2, 1]), torch.tensor(parents), torch.tensor(depths), torch.full((5,), -0.7))
+    tokens, scores = torch.tensor([5, 4, 3, 2, 1]), torch.full((5,), -0.7)
+    cands = Candidates(tokens, torch.tensor(parents), torch.tensor(depths), scores)
     for total in range(1, 8):
         tree = rerank(cands, 0, total)  # DraftTree asserts parents[i] < i, so closure holds
         assert tree.size == min(total, 6)
@@ -201,7 +202,9 @@ def test_static_shape_rejects_bad_paths(paths, message):
 def test_default_static_tree_is_valid_and_is_the_most_probable_set():
     shape = StaticShape.from_paths(DEFAULT_STATIC_PATHS)
     assert 25 <= shape.size <= 30 and shape.depth == 5
-    log_p = lambda path: len(path) * math.log(0.7) + sum(path) * math.log(0.3)  # noqa: E731
+    def log_p(path):  # the model's path probability: rank r has probability 0.7 * 0.3**r
+        return len(path) * math.log(0.7) + sum(path) * math.log(0.3)
+
     chosen = set(DEFAULT_STATIC_PATHS)
     others = [
         p for d in range(1, 6) for p in itertools.product(range(4), repeat=d) if p not in chosen
@@ -238,12 +241,28 @@ def test_ddd_stops_at_max_depth():
     assert levels == 11 and policy.syncs == 3
 
 
+def test_drafting_loop_with_ddd_stops_at_the_first_check_for_a_random_draft():
+    gen = torch.Generator().manual_seed(3)
+    policy = DynamicDepth(threshold=-0.3, check_depths=(2, 3), max_depth=5)
+    cands, frontier = expand_root(torch.randn(V, generator=gen).log_softmax(-1), 3)
+    level = 1
+    while policy.continue_after(level, cands.scores[frontier]):
+        child_logprobs = torch.randn(frontier.shape[0], V, generator=gen).log_softmax(-1)
+        cands, frontier = expand_level(cands, frontier, child_logprobs, 3)
+        level += 1
+    assert torch.logsumexp(cands.scores[frontier], 0) < -0.3  # a random draft keeps little mass
+    assert (level, policy.syncs, cands.size) == (2, 1, 12)
+    tree = rerank(cands, 0, 10)
+    assert tree.size == 10 and tree.depths.max().item() == 2
+
+
 def test_make_depth_policy_follows_the_tree_config():
     assert make_depth_policy(TreeConfig(depth=4)).depth == 4
     assert make_depth_policy(TreeConfig(shape="chain", depth=3)).depth == 3
     assert make_depth_policy(TreeConfig(shape="static")).depth == 5
     assert make_depth_policy(TreeConfig(shape="static", static_paths=((0,), (0, 0)))).depth == 2
-    ddd = make_depth_policy(TreeConfig(depth_policy="ddd", ddd_threshold=-0.5, ddd_check_depths=(2,), max_depth=4))
+    cfg = TreeConfig(depth_policy="ddd", ddd_threshold=-0.5, ddd_check_depths=(2,), max_depth=4)
+    ddd = make_depth_policy(cfg)
     assert isinstance(ddd, DynamicDepth)
     assert (ddd.threshold, ddd.check_depths, ddd.max_depth) == (-0.5, frozenset({2}), 4)
     with pytest.raises(ConfigError, match="dynamic"):

@@ -4,10 +4,12 @@ A drafter runs the head and calls these between head forwards:
 
 - **Dynamic tree (EAGLE-2)**::
 
-      candidates, frontier = expand_root(root_logprobs, top_k)           # level 1
+      candidates, frontier = expand_root(root_logprobs, top_k)
+      level = 1
       while policy.continue_after(level, candidates.scores[frontier]):
-          child_logprobs = head(frontier nodes)                           # [k, V]
+          child_logprobs = head(candidates.tokens[frontier], ...)         # [k, V]
           candidates, frontier = expand_level(candidates, frontier, child_logprobs, top_k)
+          level += 1
       tree = rerank(candidates, root_token, total_tokens)
 
 - **Static tree (EAGLE-1)**: a fixed :class:`StaticShape`; for each of its ``levels`` the head
@@ -30,7 +32,7 @@ from ddspec.errors import ConfigError
 from ddspec.tree.tree import DraftTree
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Candidates:
     """Every node produced while expanding a dynamic tree (the root is not a candidate)."""
 
@@ -129,7 +131,9 @@ def most_probable_paths(size: int, rank_decay: float, max_depth: int) -> tuple[P
     topological order (by depth, then lexicographic).
     """
     if size < 1 or not 0 < rank_decay < 1 or max_depth < 1:
-        raise ConfigError(f"need size >= 1, 0 < rank_decay < 1, max_depth >= 1; got {size}, {rank_decay}, {max_depth}")
+        raise ConfigError(
+            f"need size >= 1, 0 < rank_decay < 1 and max_depth >= 1, got {size}, {rank_decay}, {max_depth}"
+        )
 
     def cost(path: Path) -> float:  # -log probability, a function of (depth, rank sum) only
         return -(len(path) * math.log1p(-rank_decay) + sum(path) * math.log(rank_decay))
@@ -163,7 +167,9 @@ class StaticLevel:
     first: int  # this level's nodes are first .. first + n - 1
 
 
-def fill_level(level: StaticLevel, parent_scores: torch.Tensor, parent_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fill_level(
+    level: StaticLevel, parent_scores: torch.Tensor, parent_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [n] and scores [n] of a level's nodes.
 
     parent_scores: [P] scores of ``level.expand``; parent_logprobs: [P, V] the head's output there.

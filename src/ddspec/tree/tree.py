@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors is ambiguous: compare fields instead
 class DraftTree:
     """Root + drafted nodes. Invariants are checked on construction (one host sync)."""
 

@@ -18,7 +18,7 @@ import torch
 from ddspec.tree.tree import DraftTree
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Verdict:
     """The outcome of verifying one tree."""
 

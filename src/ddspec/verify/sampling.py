@@ -91,7 +91,9 @@ def _children(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def _verdict(path: list[int], residual: torch.Tensor, generator: torch.Generator, device: torch.device) -> Verdict:
+def _verdict(
+    path: list[int], residual: torch.Tensor, generator: torch.Generator, device: torch.device
+) -> Verdict:
     """The verdict once no child of path[-1] was accepted: draw the bonus from residual [V]."""
     bonus = sample(residual.to(generator.device), generator).to(device)  # []
     return Verdict(path=torch.tensor(path, dtype=torch.int64, device=device), bonus=bonus)

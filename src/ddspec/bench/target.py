@@ -1,0 +1,167 @@
+"""Benchmark of the target layer on the default model (issue: foundation).
+
+Prints, in one run, on this machine:
+1. greedy decoding tokens/s at 256 new tokens: ddspec's native plain decoding vs HF
+   ``generate`` (median of R interleaved runs, same prompt, both forced to 256 tokens);
+2. the memory floor: fp32 weight bytes / measured copy bandwidth (STREAM convention: bytes read
+   + bytes written per second), and the fraction of it our decoding reaches;
+3. the time of one target forward over N = 1..64 new tokens after a 256-token prefix, for the
+   native and the HF implementation (median of several repetitions).
+
+Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from ddspec.config import StopConfig
+from ddspec.engine import Engine
+from ddspec.prompts import chat_prompt_ids
+
+PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def copy_bandwidth(mbytes: int = 256, reps: int = 7) -> float:
+    """Bytes moved per second (read + write) copying a buffer far larger than the caches."""
+    src = torch.ones(mbytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def time_ours(target, ids: list[int], n: int) -> float:
+    t = time.perf_counter()
+    res = Engine(target).generate(ids, StopConfig(max_new_tokens=n, stop_on_eos=False))
+    assert res.stats.new_tokens == n
+    return n / (time.perf_counter() - t)
+
+
+def time_hf_generate(model, ids: list[int], n: int) -> float:
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape[1] - x.shape[1] == n
+    return n / (time.perf_counter() - t)
+
+
+def forward_times(target, prefix: int, sizes=SIZES, reps: int = 7) -> dict[int, float]:
+    """Median ms of one forward over N new tokens (causal among themselves) after `prefix` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.info.vocab_size
+    target.reset(prefix + max(sizes) + 1)
+    target.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+    target.commit(torch.arange(prefix))
+    result = {}
+    for n in sizes:
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            target.forward(tokens, prefix + torch.arange(n), mask)
+            times.append(time.perf_counter() - t)
+            target.truncate(prefix)
+        result[n] = statistics.median(times[1:]) * 1e3
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per arm (default 3)")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from ddspec.models.loading import load_target
+
+    native = load_target("default", impl="native")
+    hf = load_target("default", impl="hf")
+    ids = chat_prompt_ids(native.tokenizer, [{"role": "user", "content": PROMPT}])
+
+    time_ours(native, ids, 16)  # warm-up both arms
+    time_hf_generate(hf.model, ids, 16)
+    ours, theirs = [], []
+    for r in range(args.repeats):
+        ours.append(time_ours(native, ids, args.new_tokens))
+        theirs.append(time_hf_generate(hf.model, ids, args.new_tokens))
+        print(f"run {r + 1}/{args.repeats}: native {ours[-1]:.1f} tok/s, HF generate {theirs[-1]:.1f} tok/s", flush=True)
+    bw = copy_bandwidth()
+    wbytes = weight_bytes(hf.model)
+    floor_ms = wbytes / bw * 1e3
+    ours_med, theirs_med = statistics.median(ours), statistics.median(theirs)
+    fwd_native = forward_times(native, 256)
+    fwd_hf = forward_times(hf, 256)
+
+    lines = [
+        f"# Target benchmark: {native.info.name}, fp32",
+        "",
+        f"Command: `python -m ddspec.bench.target --repeats {args.repeats}`; machine: {cpu_name()}, "
+        f"{args.threads} threads, torch {torch.__version__}; date: {date.today().isoformat()}.",
+        "",
+        f"Greedy decoding, {args.new_tokens} new tokens (prefill of {len(ids)} tokens included), "
+        f"median of {args.repeats} interleaved runs:",
+        "",
+        "| arm | tokens/s | ms/token | speedup |",
+        "|---|---|---|---|",
+        f"| HF `generate` | {theirs_med:.1f} | {1e3 / theirs_med:.1f} | 1.00x |",
+        f"| ddspec native plain decoding | {ours_med:.1f} | {1e3 / ours_med:.1f} | {ours_med / theirs_med:.2f}x |",
+        "",
+        f"Memory floor: {wbytes / 1e6:.0f} MB of weights / {bw / 1e9:.1f} GB/s copy bandwidth = "
+        f"{floor_ms:.1f} ms/token ({1e3 / floor_ms:.1f} tokens/s); native reaches "
+        f"{floor_ms / (1e3 / ours_med) * 100:.0f}% of it.",
+        "",
+        "Target forward over N new tokens after a 256-token prefix (ms, median):",
+        "",
+        "| N | " + " | ".join(str(n) for n in SIZES) + " |",
+        "|---|" + "---|" * len(SIZES),
+        "| native | " + " | ".join(f"{fwd_native[n]:.1f}" for n in SIZES) + " |",
+        "| HF adapter | " + " | ".join(f"{fwd_hf[n]:.1f}" for n in SIZES) + " |",
+        "",
+        f"native N=16 / N=1 = {fwd_native[16] / fwd_native[1]:.2f}x",
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
