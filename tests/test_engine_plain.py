@@ -89,7 +89,9 @@ def test_sampling_matches_manual_sampler(tiny_targets):
     for _ in range(10):
         target.reset(len(seq) + 1)
         logits = target.forward(torch.tensor(seq), torch.arange(len(seq))).logits[-1]
-        seq.append(int(torch.multinomial(target_probs(logits, cfg), 1, generator=gen)))
+        p = target_probs(logits, cfg).double()
+        u = torch.rand(1, 1, generator=gen, dtype=torch.float64)
+        seq.append(int((torch.cumsum(p, 0) <= u[0, 0] * p.sum()).sum()))  # first index with cdf > u
     assert res.token_ids == seq[3:]
 
 

@@ -48,6 +48,44 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop when the output contains TEXT (repeatable)")
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated levels such as 5,7,9, got {text!r}") from None
+    if not levels:
+        raise argparse.ArgumentTypeError("give at least one level, e.g. 5,7,9")
+    return levels
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    from ddspec.config import TreeConfig
+    from ddspec.methods import METHODS
+
+    d = TreeConfig()
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--method", default="auto", choices=("auto",) + METHODS,
+                   help="vanilla = plain decoding; chain = one draft token per level; eagle = static "
+                        "tree (EAGLE-1); eagle2 = dynamic tree (EAGLE-2); ddd = dynamic tree with "
+                        "Dynamic Depth Decoding. auto (default): ddd when a draft head is available "
+                        "for the model, else vanilla")
+    g.add_argument("--head", default=None,
+                   help="EAGLE-1/2 head folder (default: the head shipped for the model, if any); "
+                        "'random' or 'random:SEED' uses an untrained head (testing only)")
+    g.add_argument("--tree-top-k", type=int, default=d.top_k,
+                   help=f"children per expanded node and beam width of dynamic trees (default {d.top_k})")
+    g.add_argument("--depth", type=int, default=d.depth,
+                   help=f"levels drafted by chain and eagle2 (default {d.depth})")
+    g.add_argument("--total-tokens", type=int, default=d.total_tokens,
+                   help=f"tokens verified per step in dynamic trees, root included (default {d.total_tokens})")
+    g.add_argument("--ddd-threshold", type=float, default=d.ddd_threshold,
+                   help=f"DDD stops when logsumexp of the beam scores falls below this (default {d.ddd_threshold})")
+    g.add_argument("--ddd-check-depths", type=_levels, default=d.ddd_check_depths,
+                   help="levels after which DDD checks the beam, comma-separated (default 5,7,9)")
+    g.add_argument("--max-depth", type=int, default=d.max_depth,
+                   help=f"most levels DDD may draft (default {d.max_depth})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddspec",
@@ -67,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (gen, chat):
         add_model_args(p)
         add_sampling_args(p)
+        add_spec_args(p)
     return parser
 
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from ddspec.config import SamplingConfig, StopConfig
+from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.engine import Engine, RunStats
 from ddspec.errors import ConfigError, DdspecError
 from ddspec.prompts import chat_prompt_ids
@@ -35,23 +35,45 @@ def setup_torch(args: argparse.Namespace) -> None:
         raise DdspecError(f"--device {args.device!r} is not a torch device: {e}") from e
 
 
+def tree_from_args(args: argparse.Namespace) -> TreeConfig:
+    return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens,
+                      ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
+                      max_depth=args.max_depth)
+
+
 def build_engine(args: argparse.Namespace) -> Engine:
     sampling = sampling_from_args(args)
     stop_from_args(args)  # validate before the (slow) model load
+    tree = tree_from_args(args)
     setup_torch(args)
+    from ddspec.methods import default_method, make_drafter
     from ddspec.models.loading import load_target
 
     target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
-    return Engine(target, None, sampling)
+    method = default_method(target, args.head) if args.method == "auto" else args.method
+    engine = Engine(target, make_drafter(method, target, args.head, tree), sampling)
+    engine.method = method
+    return engine
 
 
-def print_summary(stats: RunStats, out=sys.stderr) -> None:
+def print_summary(stats: RunStats, method: str = "vanilla", out=sys.stderr) -> None:
     print(
-        f"[ddspec] {stats.new_tokens} new tokens (prompt {stats.prompt_tokens}) in {stats.wall_s:.2f} s "
+        f"[ddspec] {method}: {stats.new_tokens} new tokens (prompt {stats.prompt_tokens}) in {stats.wall_s:.2f} s "
         f"= {stats.tokens_per_s:.1f} tokens/s (prefill {stats.prefill_s * 1e3:.0f} ms included); "
         f"{len(stats.steps)} steps, finish: {stats.finish_reason}",
         file=out,
     )
+    if stats.steps and method != "vanilla":
+        n = len(stats.steps)
+        hist = stats.tau_histogram()
+        print(
+            f"[ddspec] tau {stats.tau:.2f} (histogram of tokens per step: "
+            + ", ".join(f"{k}:{v}" for k, v in sorted(hist.items()))
+            + f"); mean tree {sum(s.tree_size for s in stats.steps) / n:.1f} nodes, "
+            f"draft {sum(s.draft_ms for s in stats.steps) / n:.1f} ms + verify "
+            f"{sum(s.verify_ms for s in stats.steps) / n:.1f} ms per step",
+            file=out,
+        )
 
 
 def stream_answer(engine: Engine, prompt_ids: list[int], stop: StopConfig) -> tuple[str, RunStats | None]:
@@ -86,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = tok.encode(prompt) if args.raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
     _, stats = stream_answer(engine, ids, stop_from_args(args))
     if stats is not None:
-        print_summary(stats)
+        print_summary(stats, engine.method)
     return 0
 
 
@@ -119,7 +141,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "assistant", "content": answer})
         if stats is not None:
-            print_summary(stats)
+            print_summary(stats, engine.method)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}

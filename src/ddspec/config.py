@@ -94,13 +94,15 @@ class TreeConfig:
                 f"depth policy must be one of {', '.join(DEPTH_POLICIES)}, got {self.depth_policy!r}"
             )
         for name, flag, value in (
-            ("top_k", "--top-k", self.top_k),
+            ("top_k", "--tree-top-k", self.top_k),
             ("depth", "--depth", self.depth),
             ("total_tokens", "--total-tokens", self.total_tokens),
             ("max_depth", "--max-depth", self.max_depth),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} ({flag}) must be an integer >= 1, got {value!r}")
+        if self.depth_policy == "ddd" and self.shape != "dynamic":
+            raise ConfigError(f"DDD grows dynamic trees only; the {self.shape} shape has a fixed depth")
         threshold = _check_number("ddd_threshold (--ddd-threshold)", self.ddd_threshold)
         if threshold > 0 or math.isinf(threshold):
             raise ConfigError(

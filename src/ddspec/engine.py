@@ -49,6 +49,13 @@ class RunStats:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    def tau_histogram(self) -> dict[int, int]:
+        """How many steps emitted 1, 2, ... tokens."""
+        hist: dict[int, int] = {}
+        for s in self.steps:
+            hist[s.accepted + 1] = hist.get(s.accepted + 1, 0) + 1
+        return hist
+
     @property
     def tau(self) -> float:
         """Mean accepted length: new tokens per target forward (DESIGN.md §1)."""
@@ -120,6 +127,7 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
     ) -> None:
         self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.method = "vanilla" if drafter is None else type(drafter).__name__
 
     # -- helpers -------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

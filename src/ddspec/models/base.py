@@ -47,6 +47,7 @@ class TargetModel(Protocol):
     tokenizer: object  # a HF tokenizer with a chat template
     device: torch.device
     dtype: torch.dtype
+    hf_config: dict  # the model's config.json
 
     @property
     def cache_length(self) -> int:
@@ -75,6 +76,9 @@ class TargetModel(Protocol):
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from features (shared with EAGLE heads)."""
+
+    def lm_head_weight_t(self) -> torch.Tensor:
+        """The lm_head weight as [H, V]."""
 
 
 def expand_mask(mask: torch.Tensor | None, prefix: int, n: int, device: torch.device) -> torch.Tensor | None:

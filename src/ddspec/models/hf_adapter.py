@@ -19,6 +19,7 @@ class HFTarget:
         self.info, self.tokenizer = info, tokenizer
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.hf_config = model.config.to_dict()
         self.cache = None
         self.length = 0
         self.pending = 0
@@ -57,6 +58,10 @@ class HFTarget:
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(features)
+
+    def lm_head_weight_t(self) -> torch.Tensor:
+        """The lm_head as [H, V] (what drafters multiply by)."""
+        return self.model.get_output_embeddings().weight.detach().t()
 
     @torch.inference_mode()
     def forward(

@@ -118,29 +118,47 @@ class Rotary:
         return x * cos + rotated * sin
 
 
+def attention(
+    q: torch.Tensor,  # [B, N, nh * D]
+    k: torch.Tensor,  # [B, N, nkv * D]
+    v: torch.Tensor,  # [B, N, nkv * D]
+    arch: LlamaArch,
+    rotary: Rotary,
+    positions: torch.Tensor,  # [N] or [B, N]
+    attend,  # (k, v) [B, nkv, N, D] -> keys, values [B, nkv, T, D] to attend over (the cache)
+    mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool, True = attend; None = see everything
+) -> torch.Tensor:
+    """RoPE, cache write and scaled dot-product attention; returns [B, N, nh * D]."""
+    b, n, _ = q.shape
+    nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    qk = rotary.apply(torch.cat([q, k], dim=-1).view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
+    keys, values = attend(qk[:, :, nh:].transpose(1, 2), v.view(b, n, nkv, d).transpose(1, 2))
+    out = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), keys, values, attn_mask=mask,
+                                         enable_gqa=nh != nkv)  # [B, nh, N, D]
+    return out.transpose(1, 2).reshape(b, n, nh * d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 def layer_forward(
     layer: LlamaLayer,
     x: torch.Tensor,  # [B, N, H] the residual stream (or the already-normed input if no input_norm)
     arch: LlamaArch,
     rotary: Rotary,
     positions: torch.Tensor,  # [N] or [B, N]
-    attend: "callable",  # (layer, k, v) -> (keys, values) to attend over
+    attend,  # see attention()
     mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool or None
 ) -> torch.Tensor:
-    b, n, _ = x.shape
-    nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
-    h = x if layer.input_norm is None else F.rms_norm(x, (x.shape[-1],), layer.input_norm, arch.rms_eps)
-    qkv = torch.matmul(h, layer.qkv)  # [B, N, (nh + 2 nkv) d]
+    nq, nkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, arch.rms_eps)
+    qkv = torch.matmul(h, layer.qkv)  # [B, N, nq + 2 nkv]
     if layer.qkv_bias is not None:
         qkv = qkv + layer.qkv_bias
-    qk = rotary.apply(qkv[..., : (nh + nkv) * d].view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
-    q = qk[:, :, :nh].transpose(1, 2)  # [B, nh, N, D]
-    k = qk[:, :, nh:].transpose(1, 2)  # [B, nkv, N, D]
-    v = qkv[..., (nh + nkv) * d :].view(b, n, nkv, d).transpose(1, 2)  # [B, nkv, N, D]
-    keys, values = attend(k, v)  # [B, nkv, T, D]
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
-    x = x + torch.matmul(attn.transpose(1, 2).reshape(b, n, nh * d), layer.o)
-    h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, arch.rms_eps)
+    q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+    x = x + torch.matmul(attention(q, k, v, arch, rotary, positions, attend, mask), layer.o)
+    h = rms_norm(x, layer.post_norm, arch.rms_eps)
     gate, up = torch.matmul(h, layer.gate_up).chunk(2, dim=-1)  # [B, N, I] each
     return x + torch.matmul(F.silu(gate) * up, layer.down)
 
@@ -158,6 +176,7 @@ class NativeLlama:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.arch = LlamaArch.from_hf_config(hf_config)
+        self.hf_config = dict(hf_config)
         self.info, self.tokenizer = info, tokenizer
         self.device, self.dtype = torch.device(device), dtype
         w = {k.removeprefix("model."): v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
@@ -195,8 +214,12 @@ class NativeLlama:
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
         return torch.matmul(features, self.lm_head_t)
 
+    def lm_head_weight_t(self) -> torch.Tensor:
+        """The lm_head as [H, V] (what drafters multiply by)."""
+        return self.lm_head_t
+
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.arch.rms_eps)
+        return rms_norm(x, self.norm, self.arch.rms_eps)
 
     # -- forward -------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,129 @@
+"""Reading and writing draft heads in the public EAGLE-1/2 layout (DESIGN.md §5).
+
+A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers: 1``, optional ``bias``)
+and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight`` [H, 2H] (+ ``fc.bias``),
+``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight`` and
+``layers.0.post_attention_layernorm.weight``; ``embed_tokens.weight`` is optional (else the
+target's is used). Our heads may add a ``d2t`` tensor (reduced draft vocabulary) and keep
+their provenance under the config key ``"ddspec"``; other engines ignore both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ddspec.draft.head import EagleHead
+from ddspec.errors import ModelLoadError
+from ddspec.models.base import ModelInfo
+
+OPTIONAL_KEYS = {"embed_tokens.weight", "d2t", "t2d", "fc.bias"}
+IGNORED_KEYS = {"t2d"}
+
+
+def head_config_for(target_config: dict, *, bias: bool = True) -> dict:
+    """A head config.json for a target (its family's hyper-parameters, one layer)."""
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+            "vocab_size", "attention_bias", "hidden_act", "model_type")
+    cfg = {k: target_config[k] for k in keep if k in target_config}
+    family = cfg.get("model_type", "llama")
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    cfg.update(num_hidden_layers=1, bias=bias, architectures=[arch.get(family, "LlamaForCausalLM")])
+    return cfg
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    st, bin_ = folder / "model.safetensors", folder / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if bin_.is_file():
+            return torch.load(bin_, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise ModelLoadError(f"cannot read the head weights in {folder}: {type(e).__name__}: {e}") from e
+    raise ModelLoadError(f"no head weights in {folder}: expected model.safetensors or pytorch_model.bin")
+
+
+def _check_compatible(cfg: dict, target: ModelInfo, folder: Path) -> None:
+    if "draft_vocab_size" in cfg or cfg.get("architectures", [""])[0].endswith("Eagle3"):
+        raise ModelLoadError(f"{folder} is an EAGLE-3 head; ddspec loads EAGLE-1/2 heads so far")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ModelLoadError(f"{folder}: an EAGLE-1/2 head has 1 layer, this config says {cfg['num_hidden_layers']}")
+    for key, mine in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if key in cfg and cfg[key] != mine:
+            raise ModelLoadError(
+                f"head {folder} does not fit target {target.name}: head {key} = {cfg[key]}, target {key} = {mine}"
+            )
+    family = cfg.get("model_type", "llama")
+    if family not in ("llama", "qwen2", "mistral"):
+        raise ModelLoadError(f"head {folder} is of architecture {family!r}; supported: llama, qwen2, mistral")
+
+
+def load_head(folder: str | Path, target: ModelInfo, device: str | torch.device = "cpu",
+              dtype: torch.dtype = torch.float32) -> EagleHead:
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(f"head folder not found: {folder}")
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    _check_compatible(cfg, target, folder)
+    tensors = _read_tensors(folder)
+    for k in IGNORED_KEYS:
+        tensors.pop(k, None)
+    if cfg.get("bias") is None:  # EAGLE configs without the key: infer from the weights
+        cfg["bias"] = "fc.bias" in tensors
+    d2t = tensors.get("d2t")
+    head = EagleHead(cfg, own_embedding="embed_tokens.weight" in tensors,
+                     draft_vocab=None if d2t is None else d2t.numel())
+    expected = set(head.state_dict())
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"head checkpoint {folder} does not match the EAGLE-1/2 layout: "
+            f"missing tensors {missing or 'none'}; unexpected tensors {unexpected or 'none'}"
+        )
+    for name, value in head.state_dict().items():
+        if tensors[name].shape != value.shape:
+            raise ModelLoadError(
+                f"head tensor {name} in {folder} has shape {list(tensors[name].shape)}, "
+                f"expected {list(value.shape)} for this config"
+            )
+    head.load_state_dict(tensors)
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_head(head: EagleHead, folder: str | Path, metadata: dict | None = None) -> Path:
+    """Write config.json + model.safetensors (EAGLE-1/2 layout) into ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(head.config)
+    cfg["bias"] = head.fc.bias is not None
+    if metadata:
+        cfg["ddspec"] = metadata
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return folder
+
+
+def random_head(target_config: dict, seed: int = 0, std: float = 0.02) -> EagleHead:
+    """A randomly initialised head for a target (tests, and a starting point for training)."""
+    torch.manual_seed(seed)
+    head = EagleHead(head_config_for(target_config))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, std)
+            elif name.endswith("bias"):
+                p.zero_()
+    return head

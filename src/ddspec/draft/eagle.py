@@ -1,0 +1,209 @@
+"""The EAGLE drafter: grows chain, static (EAGLE-1) or dynamic (EAGLE-2 / DDD) trees with a head.
+
+State between steps: the head's KV cache holds one entry per committed position, computed from
+the target's *true* features (DESIGN.md §2.6), and ``root_hidden`` is the head's prediction
+f̂ at the current root, whose lm_head gives the root's children. During drafting, entries for
+tree nodes are appended after the committed ones; ``observe`` drops them and recomputes the
+newly committed positions from the verification forward's features.
+
+Head input pairs: the entry at position t reads (f_t, token_{t+1}). A tree node at depth L
+(token at position root + L) is run as (f̂ of its parent, its token) at position root + L - 1,
+attending to the committed entries and to its drafted ancestors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddspec.config import TreeConfig
+from ddspec.draft.head import EagleHead
+from ddspec.errors import ConfigError
+from ddspec.models.base import TargetOutput
+from ddspec.tree import (
+    DEFAULT_STATIC_PATHS,
+    DraftTree,
+    StaticShape,
+    expand_level,
+    expand_root,
+    fill_level,
+    make_depth_policy,
+    rerank,
+)
+from ddspec.verify import Verdict
+
+
+class DraftSlots:
+    """Ancestry of the tree nodes written to the head cache during one propose()."""
+
+    def __init__(self, committed: int, device: torch.device) -> None:
+        self.committed, self.device = committed, device
+        self.rows = torch.zeros(0, 0, dtype=torch.bool, device=device)  # [S, S] ancestors-or-self
+
+    def add(self, parent_slots: torch.Tensor) -> torch.Tensor:
+        """Register n new slots whose parents sit at ``parent_slots`` [n] (-1 = the root).
+
+        Returns their attention mask over (committed + all slots) as [1, 1, n, committed + S].
+        """
+        n, s = parent_slots.numel(), self.rows.shape[0]
+        rows = torch.zeros(n, s + n, dtype=torch.bool, device=self.device)
+        has_parent = parent_slots >= 0
+        if s:
+            rows[:, :s] = self.rows[parent_slots.clamp(min=0)] & has_parent.view(n, 1)
+        rows[:, s:] = torch.eye(n, dtype=torch.bool, device=self.device)
+        self.rows = torch.cat([torch.nn.functional.pad(self.rows, (0, n)), rows])
+        prefix = torch.ones(n, self.committed, dtype=torch.bool, device=self.device)
+        return torch.cat([prefix, rows], dim=1).view(1, 1, n, -1)
+
+
+class EagleDrafter:
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, head: EagleHead, target, tree: TreeConfig) -> None:
+        if head.hidden_size != target.info.hidden_size:
+            raise ConfigError(f"head hidden size {head.hidden_size} != target hidden size {target.info.hidden_size}")
+        vocab = target.info.vocab_size
+        if tree.shape == "dynamic" and tree.top_k > vocab:
+            raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} is larger than the vocabulary ({vocab})")
+        self.head, self.target, self.cfg = head, target, tree
+        self.device = target.device
+        self.embed = head.embed_tokens if hasattr(head, "embed_tokens") else target.embed
+        ids = head.draft_token_ids
+        lm = target.lm_head_weight_t()  # [H, V]
+        self.draft_ids = None if ids is None else ids.to(self.device)  # [Vd] target ids
+        self.lm_head_t = lm if ids is None else lm[:, self.draft_ids].contiguous()  # [H, Vd]
+        if tree.shape == "dynamic" and tree.top_k > self.lm_head_t.shape[1]:
+            raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({self.lm_head_t.shape[1]})")
+        self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
+        self.cache = None
+        self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
+        self.last_policy = None
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def max_tree_size(self) -> int:
+        if self.static is not None:
+            return self.static.size
+        if self.cfg.shape == "chain":
+            return self.cfg.depth + 1
+        return self.cfg.total_tokens
+
+    def _max_draft_slots(self) -> int:
+        if self.static is not None:
+            return sum(len(level.expand) for level in self.static.levels)
+        depth = self.cfg.depth if self.cfg.depth_policy == "fixed" else self.cfg.max_depth
+        width = 1 if self.cfg.shape == "chain" else self.cfg.top_k
+        return depth * width
+
+    # -- head calls ----------------------------------------------------------------------
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft log-probs over the draft vocabulary: hidden [n, H] -> [n, Vd]."""
+        return torch.log_softmax(torch.matmul(hidden, self.lm_head_t).float(), dim=-1)
+
+    def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens if self.draft_ids is None else self.draft_ids[tokens]
+
+    @torch.inference_mode()
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """Append head entries for (features [n, H], tokens [n]) and return f̂ [n, H]."""
+        n = tokens.numel()
+        embeds = self.embed(tokens).view(1, n, -1)
+        return self.head(embeds, features.view(1, n, -1).to(embeds.dtype), positions, mask, self.cache)[0]
+
+    def _commit_entries(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Head entries for committed positions: pairs (f_t, token_{t+1}), causal."""
+        start, n = self.cache.length, next_tokens.numel()
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+            mask = mask.view(1, 1, n, -1)
+        hidden = self._run(features, next_tokens, torch.arange(start, start + n, device=self.device), mask)
+        self.cache.pending = 0
+        self.root_hidden = hidden[-1]
+
+    # -- the Drafter protocol ------------------------------------------------------------
+    def reset(self, max_length: int) -> None:
+        need = max_length + self._max_draft_slots()
+        if self.cache is None or self.cache.max_length < need:
+            self.cache = self.head.new_cache(need)
+        self.cache.truncate(0)
+        self._committed = 0
+
+    def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
+        nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
+        self._commit_entries(target_out.features, nxt)
+
+    def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
+        self.cache.truncate(self.committed)
+        path = verdict.path
+        nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
+        self._commit_entries(target_out.features[path], nxt)
+
+    @property
+    def committed(self) -> int:
+        return self._committed
+
+    def propose(self, root: torch.Tensor, position: int) -> DraftTree:
+        self._committed = self.cache.length
+        assert self._committed == position, "head cache out of step with the target"
+        if self.static is not None:
+            return self._propose_static(root, position)
+        return self._propose_dynamic(root, position)
+
+    def _propose_dynamic(self, root: torch.Tensor, position: int) -> DraftTree:
+        cfg = self.cfg
+        k = 1 if cfg.shape == "chain" else cfg.top_k
+        total = cfg.depth + 1 if cfg.shape == "chain" else cfg.total_tokens
+        policy = self.last_policy = make_depth_policy(cfg)
+        slots = DraftSlots(self._committed, self.device)
+        candidates, frontier = expand_root(self.logprobs(self.root_hidden.view(1, -1))[0], k)
+        parent_hidden = self.root_hidden.expand(frontier.numel(), -1)  # [k, H] f̂ of each frontier node's parent
+        parent_slot = torch.full((frontier.numel(),), -1, dtype=torch.long, device=self.device)
+        level = 1
+        while policy.continue_after(level, candidates.scores[frontier]):
+            mask = slots.add(parent_slot)
+            first_slot = slots.rows.shape[0] - frontier.numel()
+            hidden = self._run(parent_hidden, self.to_target_ids(candidates.tokens[frontier]),
+                               torch.full((frontier.numel(),), position + level - 1, device=self.device), mask)
+            row_of = torch.full((candidates.size,), -1, dtype=torch.long, device=self.device)
+            row_of[frontier] = torch.arange(frontier.numel(), device=self.device)
+            candidates, frontier = expand_level(candidates, frontier, self.logprobs(hidden), k)
+            row = row_of[candidates.parents[frontier]]  # the new frontier's parents: rows of the old one
+            parent_hidden, parent_slot = hidden[row], first_slot + row
+            level += 1
+        tree = rerank(candidates, root, total)
+        return self._to_target_vocab(tree)
+
+    def _to_target_vocab(self, tree: DraftTree) -> DraftTree:
+        if self.draft_ids is None:
+            return tree
+        tokens = torch.cat([tree.tokens[:1], self.draft_ids[tree.tokens[1:]]])
+        return DraftTree(tokens, tree.parents, tree.depths, tree.scores)
+
+    def _propose_static(self, root: torch.Tensor, position: int) -> DraftTree:
+        shape = self.static
+        n = shape.size
+        slots = DraftSlots(self._committed, self.device)
+        hidden_of = torch.zeros(n, self.head.hidden_size, dtype=self.root_hidden.dtype, device=self.device)
+        hidden_of[0] = self.root_hidden
+        slot_of = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        scores = torch.zeros(n, dtype=torch.float32, device=self.device)
+        parents = torch.tensor(shape.parents, device=self.device)
+        for level in shape.levels:
+            expand = torch.tensor(level.expand, device=self.device)  # nodes at depth - 1
+            if level.depth == 1:
+                parent_logprobs = self.logprobs(self.root_hidden.view(1, -1))
+            else:  # run the head on the expanded nodes to get their children's distribution
+                mask = slots.add(slot_of[parents[expand]])
+                slot_of[expand] = slots.rows.shape[0] - expand.numel() + torch.arange(expand.numel(), device=self.device)
+                hidden = self._run(hidden_of[parents[expand]], self.to_target_ids(tokens[expand]),
+                                   torch.full((expand.numel(),), position + level.depth - 2, device=self.device), mask)
+                hidden_of[expand] = hidden
+                parent_logprobs = self.logprobs(hidden)
+            level_tokens, level_scores = fill_level(level, scores[expand], parent_logprobs)
+            idx = slice(level.first, level.first + len(level.ranks))
+            tokens[idx], scores[idx] = level_tokens, level_scores
+        tree = shape.tree(root, tokens[1:], scores[1:])
+        return self._to_target_vocab(tree)

@@ -1,0 +1,122 @@
+"""The EAGLE-1/2 draft head (DESIGN.md §2.1).
+
+At position t the head reads ``x = fc(cat(embed(token_{t+1}), f_t))`` and runs one decoder
+layer of the target's family (without its first RMSNorm, as in the public checkpoints), giving
+``f̂_{t+1}``; the target's own ``lm_head`` turns that into logits for token t+2. ``embed`` and
+``lm_head`` are the target's, frozen and shared (a checkpoint may carry its own embed).
+
+The module's parameter names are exactly the EAGLE-1/2 checkpoint keys (``fc.weight``,
+``layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is the checkpoint layout. One
+``forward`` serves training (a whole sequence, causal, no cache) and drafting (new entries
+on top of the head's own KV cache, with a tree mask).
+
+An optional reduced draft vocabulary ``d2t`` (EAGLE-3's convention: target id = draft id +
+d2t[draft id]) makes drafting compute logits only over those tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddspec.kv_cache import StaticKVCache
+from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
+
+
+class RMSNormWeight(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class HeadAttention(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=False)
+
+
+class HeadMLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        h, i = arch.hidden_size, arch.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+
+class HeadLayer(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.self_attn = HeadAttention(arch)
+        self.mlp = HeadMLP(arch)
+        self.post_attention_layernorm = RMSNormWeight(arch.hidden_size)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: dict, *, own_embedding: bool = False, draft_vocab: int | None = None) -> None:
+        super().__init__()
+        self.config = dict(config)
+        self.arch = LlamaArch.from_hf_config({**config, "num_hidden_layers": 1})
+        h = self.arch.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=bool(config.get("bias", True)))
+        self.layers = nn.ModuleList([HeadLayer(self.arch)])
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(self.arch.vocab_size, h)
+        if draft_vocab is not None:
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self._rotary: Rotary | None = None
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.arch.hidden_size
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """Target ids of the reduced draft vocabulary [Vd], or None for the full vocabulary."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    def rotary(self) -> Rotary:
+        p = self.fc.weight
+        if self._rotary is None or self._rotary.cos.device != p.device or self._rotary.cos.dtype != p.dtype:
+            self._rotary = Rotary(self.arch, p.device, p.dtype)
+        return self._rotary
+
+    def new_cache(self, max_length: int) -> StaticKVCache:
+        p = self.fc.weight
+        a = self.arch
+        return StaticKVCache(1, a.num_kv_heads, a.head_dim, max_length, dtype=p.dtype, device=p.device)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, N, H] embeddings of token_{t+1}
+        features: torch.Tensor,  # [B, N, H] target (or predicted) features f_t
+        positions: torch.Tensor,  # [N] or [B, N] the positions t
+        mask: torch.Tensor | None = None,  # [B or 1, 1, N, T] bool; None = causal (no cache) / all (cache)
+        cache: StaticKVCache | None = None,  # written at slots [length, length + N) when given
+    ) -> torch.Tensor:
+        """Predicted features f̂_{t+1}: [B, N, H]."""
+        a, layer = self.arch, self.layers[0]
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, N, H]
+        attn = layer.self_attn
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if cache is None:
+            n = x.shape[1]
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril_().view(1, 1, n, n)
+            attend = lambda k_, v_: (k_, v_)  # noqa: E731
+        else:
+            attend = lambda k_, v_: cache.write(0, k_, v_)  # noqa: E731
+        x = x + attn.o_proj(attention(q, k, v, a, self.rotary(), positions, attend, mask))
+        if cache is not None:
+            cache.advance(q.shape[1])
+        mlp = layer.mlp
+        hn = rms_norm(x, layer.post_attention_layernorm.weight, a.rms_eps)
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(hn)) * mlp.up_proj(hn))

@@ -1,0 +1,69 @@
+"""Decoding methods by name, and how each becomes a drafter.
+
+| method  | tree                                   | depth                          |
+|---------|----------------------------------------|--------------------------------|
+| vanilla | none: plain autoregressive decoding    |                                |
+| chain   | one token per level (greedy draft)     | fixed (``depth``)              |
+| eagle   | static tree of index paths (EAGLE-1)   | the shape's own                |
+| eagle2  | dynamic top-k tree, reranked (EAGLE-2) | fixed (``depth``)              |
+| ddd     | dynamic top-k tree, reranked           | Dynamic Depth Decoding checks  |
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ddspec.config import TreeConfig
+from ddspec.errors import ConfigError, DdspecError
+
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "ddd")
+SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dynamic"}
+HEADS_DIR = Path(__file__).parent / "heads"
+# the heads shipped with ddspec, by target name
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
+
+
+def tree_config(method: str, base: TreeConfig = TreeConfig()) -> TreeConfig | None:
+    """The TreeConfig of a method (None for vanilla), keeping the sizes set in ``base``."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if method == "vanilla":
+        return None
+    return replace(base, shape=SHAPES[method], depth_policy="ddd" if method == "ddd" else "fixed")
+
+
+def shipped_head(target_name: str) -> Path | None:
+    folder = SHIPPED_HEADS.get(target_name)
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def resolve_head(spec: str | None, target):
+    """Load the head named by --head: a folder, 'random[:SEED]' (tests), or the shipped one."""
+    from ddspec.draft.checkpoint import load_head, random_head
+
+    if spec is not None and spec.startswith("random"):
+        seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
+        return random_head(target.hf_config, seed=seed).to(target.device, target.dtype).eval().requires_grad_(False)
+    folder = Path(spec) if spec else shipped_head(target.info.name)
+    if folder is None:
+        raise DdspecError(
+            f"no draft head for {target.info.name}: pass --head FOLDER (an EAGLE-1/2 head; "
+            "`ddspec train` makes one), or use --method vanilla"
+        )
+    return load_head(folder, target.info, target.device, target.dtype)
+
+
+def make_drafter(method: str, target, head_spec: str | None, base: TreeConfig = TreeConfig()):
+    """The drafter for a method, or None for vanilla."""
+    from ddspec.draft.eagle import EagleDrafter
+
+    cfg = tree_config(method, base)
+    if cfg is None:
+        return None
+    return EagleDrafter(resolve_head(head_spec, target), target, cfg)
+
+
+def default_method(target, head_spec: str | None) -> str:
+    """ddd when a head is available for the target, vanilla otherwise."""
+    return "ddd" if head_spec or shipped_head(target.info.name) else "vanilla"

@@ -1,0 +1,160 @@
+"""The speculative engine is lossless: every method's greedy output equals plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddspec.config import SamplingConfig, StopConfig, TreeConfig
+from ddspec.draft.checkpoint import random_head
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.draft.reference import OracleDrafter, RandomDrafter
+from ddspec.engine import Engine
+from ddspec.errors import ConfigError
+from ddspec.methods import METHODS, tree_config
+
+SPEC_METHODS = [m for m in METHODS if m != "vanilla"]
+PROMPTS = [[5, 17, 33, 8, 90], [40, 41, 42], [7] * 9, [100, 3, 64, 12, 99, 1, 2, 77]]
+SMALL = TreeConfig(top_k=4, depth=4, total_tokens=14, ddd_check_depths=(2, 4), max_depth=5)
+
+
+def eagle(target, method: str, seed: int = 0, base: TreeConfig = SMALL) -> EagleDrafter:
+    head = random_head(target.hf_config, seed=seed).eval().requires_grad_(False)
+    return EagleDrafter(head, target, tree_config(method, base))
+
+
+def plain(target, prompt, n):
+    return Engine(target).generate(prompt, StopConfig(max_new_tokens=n, stop_on_eos=False))
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+@pytest.mark.parametrize("family, impl", [("llama", "native"), ("qwen2", "native"), ("mistral", "hf")])
+def test_random_head_output_equals_plain(tiny_targets, family, impl, method):
+    target = tiny_targets[(family, impl)]
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    for prompt in PROMPTS[:2]:
+        ref = plain(target, prompt, 30).token_ids
+        res = Engine(target, eagle(target, method)).generate(prompt, stop)
+        assert res.token_ids == ref
+        assert all(s.tree_size > 1 for s in res.stats.steps)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_oracle_drafter_accepts_everything(tiny_targets, depth):
+    target = tiny_targets[("llama", "native")]
+    prompt = PROMPTS[0]
+    ref = plain(target, prompt, 40).token_ids
+    oracle = OracleDrafter(prompt + ref, depth)
+    res = Engine(target, oracle).generate(prompt, StopConfig(max_new_tokens=40, stop_on_eos=False))
+    assert res.token_ids == ref
+    full_steps = [s for s in res.stats.steps[:-1]]
+    assert full_steps and all(s.accepted == depth for s in full_steps)  # tau = depth + 1
+    assert res.stats.tau > depth  # the last step may be cut short by max_new_tokens
+
+
+def test_random_drafter_accepts_almost_nothing(tiny_targets):
+    target = tiny_targets[("qwen2", "native")]
+    prompt = PROMPTS[1]
+    ref = plain(target, prompt, 40).token_ids
+    res = Engine(target, RandomDrafter(target.info.vocab_size, size=12, seed=3)).generate(
+        prompt, StopConfig(max_new_tokens=40, stop_on_eos=False))
+    assert res.token_ids == ref
+    assert res.stats.tau < 1.5
+
+
+def test_trained_like_head_accepts_some_tokens(tiny_targets):
+    """A head whose predicted feature is the target's own feature at the root's position is not
+    possible to build by hand, but a chain from the oracle mixed with noise is: check that
+    partial acceptance (0 < accepted < depth) keeps the output exact."""
+    target = tiny_targets[("llama", "native")]
+    prompt = PROMPTS[2]
+    ref = plain(target, prompt, 40).token_ids
+    seq = prompt + ref
+    noisy = list(seq)
+    for i in range(len(prompt) + 2, len(noisy), 3):
+        noisy[i] = (noisy[i] + 1) % target.info.vocab_size
+
+    class HalfOracle(OracleDrafter):
+        def propose(self, root, position):
+            ahead = torch.tensor(noisy[position + 1 : position + 1 + self.depth], dtype=torch.long)
+            from ddspec.tree import DraftTree
+
+            return DraftTree.chain(root, ahead, torch.zeros(ahead.numel()))
+
+    res = Engine(target, HalfOracle(seq, 4)).generate(prompt, StopConfig(max_new_tokens=40, stop_on_eos=False))
+    assert res.token_ids == ref
+    accepted = {s.accepted for s in res.stats.steps}
+    assert len(accepted) > 1 and 0 < res.stats.tau - 1 < 4
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_sampling_with_seed_is_reproducible(tiny_targets, method):
+    target = tiny_targets[("llama", "native")]
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95, seed=5)
+    stop = StopConfig(max_new_tokens=25, stop_on_eos=False)
+    a = Engine(target, eagle(target, method), cfg).generate(PROMPTS[0], stop).token_ids
+    b = Engine(target, eagle(target, method), cfg).generate(PROMPTS[0], stop).token_ids
+    assert a == b and len(a) == 25
+
+
+def test_reduced_draft_vocabulary_stays_lossless(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=1)
+    vocab = torch.arange(10, 74)  # a 64-token draft vocabulary
+    head.register_buffer("d2t", vocab - torch.arange(64))
+    head.eval().requires_grad_(False)
+    drafter = EagleDrafter(head, target, tree_config("eagle2", SMALL))
+    ref = plain(target, PROMPTS[0], 30).token_ids
+    res = Engine(target, drafter).generate(PROMPTS[0], StopConfig(max_new_tokens=30, stop_on_eos=False))
+    assert res.token_ids == ref
+    tree = drafter.propose(torch.tensor(ref[-1]), drafter.cache.length)
+    assert bool(((tree.tokens[1:] >= 10) & (tree.tokens[1:] < 74)).all())
+
+
+def test_ddd_stops_at_a_check_depth_and_counts_syncs(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    base = TreeConfig(top_k=3, total_tokens=10, ddd_check_depths=(2, 3), max_depth=4, ddd_threshold=-1e-6)
+    drafter = eagle(target, "ddd", base=base)
+    Engine(target, drafter).generate(PROMPTS[0], StopConfig(max_new_tokens=3, stop_on_eos=False))
+    policy = drafter.last_policy
+    assert policy.syncs == 1  # a random head's beam mass is far below ~1.0: stops at the first check
+
+
+def test_impossible_tree_settings_are_clear(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    with pytest.raises(ConfigError, match="vocabulary"):
+        eagle(target, "eagle2", base=TreeConfig(top_k=500))
+    for bad in ({"total_tokens": 0}, {"depth": 0}, {"ddd_threshold": float("nan")}, {"ddd_threshold": "x"}):
+        with pytest.raises(ConfigError):
+            TreeConfig(**bad)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "chain"])
+def test_tree_scores_match_sequential_head_reference(tiny_targets, method):
+    """Every node's score from tree drafting (head KV cache + tree masks + positions) equals the
+    score from running the head sequentially, without a cache, along the node's path."""
+    target = tiny_targets[("llama", "native")]
+    drafter = eagle(target, method, seed=2)
+    head = drafter.head
+    prompt = torch.tensor(PROMPTS[3])
+    target.reset(64)
+    out = target.forward(prompt, torch.arange(len(prompt)))
+    root = out.logits[-1].argmax()
+    drafter.reset(64)
+    drafter.prefill(prompt, out, root)
+    tree = drafter.propose(root, len(prompt))
+    assert tree.size > 3
+
+    tokens = torch.cat([prompt[1:], root.view(1)])  # token_{t+1} of each committed entry
+    for node in range(1, tree.size):
+        path = tree.path_to(node).tolist()
+        feats, toks, score = out.features, tokens, 0.0
+        hidden = None
+        for i, n in enumerate(path[1:], start=1):
+            with torch.no_grad():
+                t = feats.shape[0]
+                hidden = head(target.embed(toks).view(1, t, -1), feats.view(1, t, -1), torch.arange(t))[0]
+            score += float(drafter.logprobs(hidden[-1:])[0, tree.tokens[n]])
+            feats = torch.cat([feats, hidden[-1:]])
+            toks = torch.cat([toks, tree.tokens[n].view(1)])
+        assert abs(score - float(tree.scores[node])) < 1e-4, f"node {node} path {path}"
