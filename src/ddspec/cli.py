@@ -7,10 +7,15 @@ error (exit status 2), never a stack trace.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
 from ddspec.errors import DdspecError
+
+# Modules that provide more subcommands: each has add_parser(subparsers), which must call
+# parser.set_defaults(handler=fn) with fn(args) -> exit status.
+EXTRA_COMMANDS = ("ddspec.bench.cli", "ddspec.train.cli")
 
 EXAMPLE_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -106,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(p)
         add_sampling_args(p)
         add_spec_args(p)
+    for module in EXTRA_COMMANDS:  # each adds its subparser and sets `handler`
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -116,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        handler = getattr(args, "handler", None)
+        if handler is not None:
+            return handler(args)
         from ddspec.commands import run_command
 
         return run_command(args)

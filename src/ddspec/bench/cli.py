@@ -1,0 +1,182 @@
+"""`ddspec bench`: every method side by side on the same prompts, with reports and plots.
+
+    ddspec bench --prompts data/eval/mt_bench.jsonl --prompts data/eval/gsm8k.jsonl \\
+        --methods vanilla,hf,hf-lookup,chain,eagle,eagle2,ddd --max-new-tokens 128 \\
+        --repeats 3 --limit 10 --out runs/bench
+
+writes ``records.jsonl`` (one line per prompt x turn x method, appended as they finish),
+``summary.md``, ``summary.json`` and PNG plots into ``--out``; ``--resume`` continues an
+interrupted run in the same folder. See :mod:`ddspec.bench.runner` for the fairness rules and
+:mod:`ddspec.bench.report` for the definitions of every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+
+from ddspec.errors import DdspecError
+
+DEFAULT_OUT = "bench-results"
+
+
+def add_parser(sub) -> None:
+    from ddspec.bench.runner import method_names
+    from ddspec.cli import add_model_args, add_spec_args
+
+    p = sub.add_parser(
+        "bench", help="benchmark every method side by side (tokens/s, speedup, τ, losslessness, plots)",
+        description="Run each method on the same prompts, interleaved, after one warm-up each; write "
+                    "records.jsonl, summary.md, summary.json and PNG plots to --out. Speedup is measured "
+                    "against vanilla (plain decoding) in the same run.")
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--prompts", action="append", metavar="FILE.jsonl",
+                   help="a JSONL prompt file (question_id or id, category, turns); repeatable. "
+                        "Default: a small built-in set (3 prompts per category)")
+    g.add_argument("--methods", default=",".join(method_names()),
+                   help="comma-separated methods to compare (default: all, %(default)s)")
+    g.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts of each file")
+    g.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="timed runs of each generation; the median wall time is reported (default 1)")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help=f"results folder (default: {DEFAULT_OUT}/DATE-TIME)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out: skip the generations already in its records.jsonl")
+    d = p.add_argument_group("decoding (the same stop rules for every method: --max-new-tokens and EOS)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (default 256)")
+    d.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default; losslessness is only checked then); > 0 samples")
+    d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    d.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
+                   help="sample among the k most likely tokens (default 0 = off)")
+    d.add_argument("--seed", type=int, default=None, help="random seed for sampling, reset for every generation")
+    add_model_args(p)
+    add_spec_args(p)
+    for action in p._actions:  # bench takes --methods (plural); --method only says so
+        if action.dest == "method":
+            action.help = argparse.SUPPRESS
+    p.set_defaults(handler=partial(run, parser=p))
+
+
+def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The effective command: every option with the value it had (defaults included)."""
+    parts = ["ddspec", "bench"]
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        flag, value = max(action.option_strings, key=len), getattr(args, action.dest, None)
+        if action.nargs == 0:
+            parts += [flag] if value else []
+        elif isinstance(value, list):
+            for v in value:
+                parts += [flag, str(v)]
+        elif isinstance(value, tuple):
+            parts += [flag, ",".join(map(str, value))]
+        elif value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """Settings that must not change when a run is resumed (they change outputs or timings)."""
+    keys = ("model", "impl", "device", "dtype", "threads", "head", "max_new_tokens", "temperature", "top_p",
+            "sample_top_k", "seed", "tree_top_k", "depth", "total_tokens", "ddd_threshold", "max_depth")
+    settings = {k: getattr(args, k) for k in keys}
+    settings["ddd_check_depths"] = list(args.ddd_check_depths)
+    return settings
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.method != "auto":
+        raise DdspecError("bench compares several methods: use --methods (plural), e.g. --methods vanilla,eagle2,ddd")
+    for flag, value in (("--repeats", args.repeats), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise DdspecError(f"{flag} must be >= 1, got {value}")
+    if args.resume and args.out is None:
+        raise DdspecError("--resume continues the run in a results folder: give it with --out DIR")
+
+
+def _hf_model(args: argparse.Namespace, target):
+    """The HF transformers model for the hf arms: the target's own when it is an HF target."""
+    from ddspec.commands import DTYPES
+    from ddspec.models.hf_adapter import HFTarget
+    from ddspec.models.loading import load_target
+
+    if isinstance(target, HFTarget):
+        return target.model
+    return load_target(args.model, impl="hf", device=args.device, dtype=DTYPES[args.dtype]).model
+
+
+def _meta(args, parser, methods: list[str], target) -> dict:
+    from ddspec.bench.report import machine_info
+    from ddspec.methods import shipped_head
+
+    import torch
+
+    head = args.head or shipped_head(target.info.name)
+    decoding = ("greedy" if args.temperature == 0 else
+                f"sampling: temperature {args.temperature}, top-p {args.top_p}, top-k {args.sample_top_k}, "
+                f"seed {args.seed}")
+    return {
+        "command": command_line(parser, args),
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": f"{target.info.name} ({type(target).__name__}, {args.dtype})",
+        "head": str(head) if head else "none",
+        "methods": ", ".join(methods),
+        "prompts": ", ".join(args.prompts) if args.prompts else "built-in set (ddspec.bench.prompts)",
+        "limit per file": args.limit if args.limit is not None else "none",
+        "max new tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "decoding": decoding,
+        **machine_info(torch.get_num_threads(), args.device),
+    }
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ddspec.bench.plots import write_plots
+    from ddspec.bench.prompts import load_prompts
+    from ddspec.bench.report import render_table, write_summary
+    from ddspec.bench.runner import Bench, RecordLog, build_arms, check_run_dir, parse_methods
+    from ddspec.commands import DTYPES, sampling_from_args, setup_torch, tree_from_args
+    from ddspec.config import StopConfig
+    from ddspec.models.loading import load_target
+
+    # 1. Everything that can be checked before loading a model.
+    _check_args(args)
+    methods = parse_methods(args.methods)
+    sampling = sampling_from_args(args)
+    StopConfig(max_new_tokens=args.max_new_tokens)
+    tree = tree_from_args(args)
+    prompts = load_prompts(args.prompts, args.limit)
+    out = Path(args.out or f"{DEFAULT_OUT}/{datetime.now():%Y%m%d-%H%M%S}")
+    settings = run_settings(args)
+    check_run_dir(out, settings, args.resume)
+    # 2. Models and arms.
+    setup_torch(args)
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target))
+    meta = _meta(args, parser, methods, target)
+    # 3. The run; records.jsonl grows one flushed line per finished generation.
+    log = RecordLog(out, settings, args.resume)
+    try:
+        outcome = Bench(arms, target.tokenizer, log, args.max_new_tokens, args.repeats).run(prompts)
+    finally:
+        log.close()
+    # 4. Reports from whatever finished.
+    summary = write_summary(out, log.records, meta, sampling.greedy, outcome.note)
+    write_plots(out, summary)
+    print(render_table(summary["overall"], summary["baseline"], summary["greedy"]))
+    print(f"[ddspec] wrote {out}/records.jsonl ({len(log.records)} records), summary.md, summary.json and plots",
+          file=sys.stderr)
+    if outcome.error is not None:
+        if isinstance(outcome.error, DdspecError):
+            raise DdspecError(outcome.note) from outcome.error
+        raise outcome.error
+    if outcome.interrupted:
+        print(f"[ddspec] interrupted; continue with --resume --out {out}", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,342 @@
+"""Running every method on every prompt, fairly, and logging one record per generation.
+
+Arms (one per method name):
+- our engine: every name of :data:`ddspec.methods.METHODS` (``vanilla`` = plain decoding,
+  the others through :func:`ddspec.methods.make_drafter`), so a policy added there is
+  benchmarked without touching this file;
+- Hugging Face ``generate`` on the same weights: ``hf`` (plain greedy / sampling) and
+  ``hf-lookup`` (assisted generation with prompt lookup), see :data:`HF_ARMS`.
+
+Fairness rules (DESIGN.md §3): one warm-up generation per arm before timing; for each
+(prompt, turn) every repeat runs every arm, in an order rotated from one round to the next;
+the same stop rules for all (``max_new_tokens``, EOS, which counts as a generated token); new
+tokens are the ids each arm produced, never re-tokenised text; the wall time of one generation
+is measured here, around the whole call, with the same clock for every arm (prefill included).
+
+A record (one line of ``records.jsonl``) per (prompt, turn, method)::
+
+    source, question_id, category, turn (1-based), method, prompt_tokens,
+    new_tokens, wall_time (median over repeats, s), wall_times (every repeat), finish_reason,
+    decoding_steps, accept_lengths [accepted + 1 per step], draft_ms, verify_ms (means per step),
+    tree_sizes [nodes per step], output_ids
+
+Step fields and output ids come from the repeat with the median wall time; HF arms leave
+``decoding_steps``, ``draft_ms`` and ``verify_ms`` null and the step lists empty. Multi-turn
+prompts are answered turn by turn with each method's own earlier answers in its history.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from ddspec.bench.prompts import Prompt
+from ddspec.config import SamplingConfig, StopConfig, TreeConfig
+from ddspec.errors import DdspecError
+from ddspec.methods import METHODS
+from ddspec.prompts import chat_prompt_ids
+
+if TYPE_CHECKING:  # torch and the engine load when a run starts, not when the CLI parser is built
+    import torch
+
+    from ddspec.engine import Engine, StepStats
+
+# HF arms: name -> extra keyword arguments of `model.generate`
+HF_ARMS: dict[str, dict] = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
+WARMUP_TOKENS = 32  # enough for the prefill and several draft/verify steps
+RECORDS_FILE = "records.jsonl"
+SETTINGS_FILE = "run.json"
+
+
+def method_names() -> tuple[str, ...]:
+    """Every benchmarkable method: vanilla, the HF arms, then the engine's other methods."""
+    return ("vanilla",) + tuple(HF_ARMS) + tuple(m for m in METHODS if m != "vanilla")
+
+
+def parse_methods(text: str) -> list[str]:
+    names = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    valid = method_names()
+    unknown = [m for m in names if m not in valid]
+    if unknown:
+        raise DdspecError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in --methods: "
+                          f"valid methods are {', '.join(valid)}")
+    if not names:
+        raise DdspecError(f"--methods is empty: give a comma-separated list of {', '.join(valid)}")
+    return names
+
+
+# -- arms ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Generation:
+    output_ids: list[int]  # new tokens, EOS included when generation stopped on it
+    wall_s: float  # the whole call, prefill included
+    finish_reason: str  # eos | length
+    steps: list[StepStats] | None  # None: the arm does not expose its decoding steps
+
+
+class Arm(Protocol):
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation: ...
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class EngineArm:
+    """A ddspec :class:`Engine` (plain decoding or a drafter)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        device = self.engine.target.device
+        _sync(device)
+        t0 = time.perf_counter()
+        result = self.engine.generate(prompt_ids, StopConfig(max_new_tokens=max_new_tokens))
+        _sync(device)
+        wall = time.perf_counter() - t0
+        return Generation(result.token_ids, wall, result.stats.finish_reason, result.stats.steps)
+
+
+class HFArm:
+    """Hugging Face ``model.generate`` with the same stop rules as the engine."""
+
+    def __init__(self, model, eos_ids: tuple[int, ...], max_position: int, sampling: SamplingConfig,
+                 extra: dict) -> None:
+        self.model, self.eos_ids, self.max_position = model, list(eos_ids), max_position
+        self.sampling, self.extra = sampling, extra
+
+    def _decoding_kwargs(self) -> dict:
+        s = self.sampling
+        if s.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        import torch
+
+        if len(prompt_ids) >= self.max_position:
+            raise DdspecError(f"the prompt is {len(prompt_ids)} tokens but the model's context window is "
+                              f"{self.max_position}: shorten the prompt (or the chat history)")
+        device = self.model.device
+        x = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        budget = min(max_new_tokens, self.max_position - len(prompt_ids))  # the engine's budget
+        if self.sampling.seed is not None:
+            torch.manual_seed(self.sampling.seed)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=budget,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
+                                  **self._decoding_kwargs(), **self.extra)
+        _sync(device)
+        wall = time.perf_counter() - t0
+        ids = out[0, len(prompt_ids):].tolist()  # output.shape[1] - prompt_len new tokens
+        finish = "eos" if ids and ids[-1] in self.eos_ids else "length"
+        return Generation(ids, wall, finish, None)
+
+
+def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConfig, sampling: SamplingConfig,
+               load_hf_model) -> dict[str, Arm]:
+    """One arm per method name; ``load_hf_model()`` is called (once) only if an HF arm is asked for."""
+    from ddspec.engine import Engine
+    from ddspec.methods import make_drafter
+
+    arms: dict[str, Arm] = {}
+    hf_model = None
+    for m in methods:
+        if m in HF_ARMS:
+            hf_model = hf_model if hf_model is not None else load_hf_model()
+            arms[m] = HFArm(hf_model, target.info.eos_token_ids, target.info.max_position, sampling, HF_ARMS[m])
+            continue
+        try:
+            drafter = make_drafter(m, target, head_spec, tree)
+        except DdspecError as e:
+            raise type(e)(f"method {m}: {e}") from None
+        engine = Engine(target, drafter, sampling)
+        engine.method = m
+        arms[m] = EngineArm(engine)
+    return arms
+
+
+# -- records ---------------------------------------------------------------------------------
+def _median_index(values: list[float]) -> int:
+    """Index of the (lower) median value."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    return order[(len(values) - 1) // 2]
+
+
+def make_record(prompt: Prompt, turn: int, method: str, prompt_ids: list[int], runs: list[Generation]) -> dict:
+    walls = [g.wall_s for g in runs]
+    rep = runs[_median_index(walls)]
+    steps = rep.steps
+    return {
+        "source": prompt.source,
+        "question_id": prompt.question_id,
+        "category": prompt.category,
+        "turn": turn,
+        "method": method,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(rep.output_ids),
+        "wall_time": statistics.median(walls),
+        "wall_times": walls,
+        "finish_reason": rep.finish_reason,
+        "decoding_steps": None if steps is None else len(steps),
+        "accept_lengths": [s.accepted + 1 for s in steps or ()],
+        "draft_ms": statistics.fmean(s.draft_ms for s in steps) if steps else None,
+        "verify_ms": statistics.fmean(s.verify_ms for s in steps) if steps else None,
+        "tree_sizes": [s.tree_size for s in steps or ()],
+        "output_ids": rep.output_ids,
+    }
+
+
+REQUIRED_FIELDS = ("source", "question_id", "turn", "method", "new_tokens", "wall_time", "output_ids")
+
+
+def record_id(record: dict) -> tuple:
+    return (record["source"], record["question_id"], record["turn"], record["method"])
+
+
+def read_records(path: Path) -> list[dict]:
+    """Records of an earlier run. A last line without its newline was cut short (a killed run): it
+    is removed from the file, so that the next record starts on a line of its own."""
+    raw = path.read_bytes()
+    complete = raw[: raw.rfind(b"\n") + 1]
+    if len(complete) < len(raw):
+        with path.open("r+b") as f:
+            f.truncate(len(complete))
+    records: list[dict] = []
+    for lineno, line in enumerate(complete.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            missing = [f for f in REQUIRED_FIELDS if f not in rec]
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError):
+            rec, missing = None, []
+        if rec is None or missing:
+            what = f"lacks {', '.join(missing)}" if missing else "is not a JSON record"
+            raise DdspecError(f"{path}, line {lineno} {what}: the file is not a ddspec bench log; "
+                              "use another --out, or remove the file to start over")
+        records.append(rec)
+    return records
+
+
+def check_run_dir(out: Path, settings: dict, resume: bool) -> None:
+    """Refuse to mix runs: without --resume the folder must be new; with it, the settings must match."""
+    records, saved = out / RECORDS_FILE, out / SETTINGS_FILE
+    if not resume:
+        if records.exists() and records.stat().st_size:
+            raise DdspecError(f"{out} already holds {RECORDS_FILE}: pass --resume to continue that run, "
+                              "or choose another --out")
+        return
+    if not saved.is_file():
+        return
+    try:
+        before = json.loads(saved.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DdspecError(f"cannot read {saved}: {e}") from None
+    changed = [f"{k}: {before.get(k)!r} then, {v!r} now" for k, v in settings.items() if before.get(k) != v]
+    if changed:
+        raise DdspecError(f"--resume: {out} was run with other settings ({'; '.join(changed)}); "
+                          "use the same ones, or another --out")
+
+
+class RecordLog:
+    """records.jsonl, appended to and flushed one line per record."""
+
+    def __init__(self, out: Path, settings: dict, resume: bool) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / RECORDS_FILE
+        self.records = read_records(path) if resume and path.is_file() else []
+        self.by_id = {record_id(r): r for r in self.records}
+        (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=1) + "\n")
+        self.file = path.open("a" if resume else "w", encoding="utf-8")
+
+    def add(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        self.records.append(record)
+        self.by_id[record_id(record)] = record
+
+    def find(self, prompt: Prompt, turn: int, method: str) -> dict | None:
+        return self.by_id.get((prompt.source, prompt.question_id, turn, method))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# -- the run ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Outcome:
+    note: str | None = None  # why the run stopped early, for the summary
+    error: BaseException | None = None  # the crash to re-raise once the summary is written
+    interrupted: bool = False  # Ctrl-C
+
+
+class Bench:
+    """Runs arms over prompts into a RecordLog (what is already in the log is skipped)."""
+
+    def __init__(self, arms: dict[str, Arm], tokenizer, log: RecordLog, max_new_tokens: int, repeats: int) -> None:
+        self.arms, self.tokenizer, self.log = arms, tokenizer, log
+        self.max_new_tokens, self.repeats = max_new_tokens, repeats
+        self.rounds = 0  # rotates the order of the arms from one round to the next
+        self.where = ""  # the generation running now, for progress and error messages
+
+    def pending(self, prompts: list[Prompt]) -> list[tuple[Prompt, int, str]]:
+        return [(p, t, m) for p in prompts for t in range(1, len(p.turns) + 1) for m in self.arms
+                if self.log.find(p, t, m) is None]
+
+    def run(self, prompts: list[Prompt]) -> Outcome:
+        from tqdm import tqdm
+
+        todo = self.pending(prompts)
+        bar = tqdm(total=len(todo) * self.repeats, unit="gen", desc="bench", disable=None, dynamic_ncols=True)
+        try:
+            for m in dict.fromkeys(m for _, _, m in todo):  # 1. warm-up, untimed
+                self._at(bar, f"{m} (warm-up)")
+                warm = chat_prompt_ids(self.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
+                self.arms[m].generate(warm, min(self.max_new_tokens, WARMUP_TOKENS))
+            for prompt in prompts:  # 2. timed generations, interleaved
+                histories: dict[str, list[dict[str, str]]] = {m: [] for m in self.arms}
+                for turn, message in enumerate(prompt.turns, 1):
+                    for history in histories.values():
+                        history.append({"role": "user", "content": message})
+                    self._run_turn(prompt, turn, histories, bar)
+                    for m, history in histories.items():
+                        answer = self.log.find(prompt, turn, m)["output_ids"]
+                        history.append({"role": "assistant",
+                                        "content": self.tokenizer.decode(answer, skip_special_tokens=True)})
+        except KeyboardInterrupt:
+            return Outcome(note=f"stopped by the user (Ctrl-C) during {self.where}", interrupted=True)
+        except Exception as e:  # noqa: BLE001 - reported in the summary, then re-raised by the caller
+            kind = "" if isinstance(e, DdspecError) else f"{type(e).__name__} "
+            return Outcome(note=f"{kind}during {self.where}: {e}", error=e)
+        finally:
+            bar.close()
+        return Outcome()
+
+    def _at(self, bar, where: str) -> None:
+        self.where = where
+        bar.set_postfix_str(where, refresh=False)
+
+    def _run_turn(self, prompt: Prompt, turn: int, histories: dict[str, list[dict[str, str]]], bar) -> None:
+        self._at(bar, f"{prompt.source}/{prompt.question_id} turn {turn}")
+        todo = [m for m in self.arms if self.log.find(prompt, turn, m) is None]
+        prompt_ids = {m: chat_prompt_ids(self.tokenizer, histories[m]) for m in todo}
+        runs: dict[str, list[Generation]] = {m: [] for m in todo}
+        for _ in range(self.repeats):
+            k = self.rounds % max(len(todo), 1)
+            self.rounds += 1
+            for m in todo[k:] + todo[:k]:
+                self._at(bar, f"{m} on {prompt.source}/{prompt.question_id} turn {turn}")
+                runs[m].append(self.arms[m].generate(prompt_ids[m], self.max_new_tokens))
+                bar.update()
+        for m in todo:
+            self.log.add(make_record(prompt, turn, m, prompt_ids[m], runs[m]))

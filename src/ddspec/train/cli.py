@@ -1,0 +1,62 @@
+"""`ddspec train`: make an EAGLE-1/2 draft head for a target, in resumable stages.
+
+    ddspec train data   --out runs/smollm2     # the target answers training prompts (+ features)
+    ddspec train fit    --out runs/smollm2     # train the head, checkpointing
+    ddspec train eval   --out runs/smollm2     # tau through the real engine on the eval sets
+    ddspec train export --out runs/smollm2 --to FOLDER   # EAGLE-1/2 layout + model card
+    ddspec train all    --out runs/smollm2     # all of the above in order
+    ddspec train all --tiny --out /tmp/t       # the whole pipeline on a tiny random model
+
+Each stage logs to OUT/<stage>.log, shows a progress bar, records its wall time in
+OUT/stages.json, and resumes where it stopped when run again with the same OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+STAGES = ("data", "fit", "eval", "export", "all")
+
+
+def default_prompts() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.normpath(os.path.join(here, "..", "..", "..", "..", "shared", "data", "train", "prompts.jsonl"))
+
+
+def add_parser(sub) -> None:
+    from ddspec.cli import add_model_args
+
+    p = sub.add_parser("train", help="train an EAGLE draft head for a model (resumable stages)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=STAGES, help="which stage to run (all = every stage in order)")
+    p.add_argument("--out", required=True, help="run folder: data shards, checkpoints, logs, results")
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny random model and a few prompts: the whole pipeline in about a minute")
+    p.add_argument("--prompts", default=default_prompts(),
+                   help="training prompts JSONL (question_id/id, category, turns); default: "
+                        "../shared/data/train/prompts.jsonl. Never the evaluation files.")
+    g = p.add_argument_group("data")
+    g.add_argument("--response-tokens", type=int, default=600_000,
+                   help="stop generating once this many response tokens exist (default 600000)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="longest response per prompt (default 256)")
+    g.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="train and ship a reduced draft vocabulary of this many tokens (0 = full)")
+    g.add_argument("--checkpoint-every", type=int, default=200)
+    g = p.add_argument_group("evaluation / export")
+    g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
+    g.add_argument("--eval-new-tokens", type=int, default=128)
+    g.add_argument("--to", default=None, help="export: the head folder to write (EAGLE-1/2 layout)")
+    add_model_args(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddspec.train.pipeline import run_stages
+
+    return run_stages(args)

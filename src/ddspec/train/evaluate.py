@@ -1,0 +1,78 @@
+"""Stage 4: measure a head through the real engine (greedy, EAGLE-2 defaults unless told).
+
+Reports, per eval file: τ (mean accepted length), the acceptance rate at each depth
+(P(accepted >= d | accepted >= d-1) over steps), tokens/s, draft ms per step, and whether
+every greedy output equals plain decoding (it must).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ddspec.config import StopConfig, TreeConfig
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.engine import Engine, RunStats
+from ddspec.errors import DdspecError
+from ddspec.methods import tree_config
+from ddspec.prompts import chat_prompt_ids
+
+
+def first_turns(path: Path, limit: int) -> list[str]:
+    if not path.is_file():
+        raise DdspecError(f"eval file not found: {path}")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line)["turns"][0])
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise DdspecError(f"{path}, line {n}: not a prompt record ({e})") from e
+        if len(out) >= limit:
+            break
+    return out
+
+
+def depth_acceptance(stats: list[RunStats]) -> list[float]:
+    """P(accepted >= d | accepted >= d - 1) for d = 1, 2, ... over all steps."""
+    accepted = [s.accepted for st in stats for s in st.steps]
+    rates, prev = [], len(accepted)
+    for d in range(1, (max(accepted) if accepted else 0) + 1):
+        cur = sum(a >= d for a in accepted)
+        rates.append(cur / prev if prev else 0.0)
+        prev = cur
+    return rates
+
+
+def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeConfig = TreeConfig(),
+                  method: str = "eagle2", progress=None) -> dict:
+    drafter = EagleDrafter(head, target, tree_config(method, tree))
+    stop = StopConfig(max_new_tokens=new_tokens)
+    runs, same, wall, plain_wall, tokens = [], 0, 0.0, 0.0, 0
+    for text in prompts:
+        ids = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": text}])
+        t0 = time.perf_counter()
+        ref = Engine(target).generate(ids, stop)
+        t1 = time.perf_counter()
+        res = Engine(target, drafter).generate(ids, stop)
+        t2 = time.perf_counter()
+        same += res.token_ids == ref.token_ids
+        runs.append(res.stats)
+        plain_wall, wall, tokens = plain_wall + t1 - t0, wall + t2 - t1, tokens + res.stats.new_tokens
+        if progress:
+            progress.update(1)
+    steps = [s for r in runs for s in r.steps]
+    return {
+        "prompts": len(prompts),
+        "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),
+        "depth_acceptance": depth_acceptance(runs),
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "plain_tokens_per_s": tokens / plain_wall if plain_wall else 0.0,
+        "draft_ms_per_step": sum(s.draft_ms for s in steps) / max(1, len(steps)),
+        "verify_ms_per_step": sum(s.verify_ms for s in steps) / max(1, len(steps)),
+        "identical_to_plain": f"{same}/{len(prompts)}",
+        "method": method,
+        "tree": {"top_k": tree.top_k, "depth": tree.depth, "total_tokens": tree.total_tokens},
+    }

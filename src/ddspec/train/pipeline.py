@@ -1,0 +1,192 @@
+"""Running the `ddspec train` stages: set-up, logging, wall times, resumption."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ddspec.errors import DdspecError
+
+EVAL_FILES = ("mt_bench", "humaneval", "gsm8k")
+TINY_PROMPTS = [f"{verb} {thing}." for verb in ("Describe", "List facts about", "Write a poem on", "Explain")
+                for thing in ("cats", "the sea", "numbers", "trees", "bread", "snow", "music", "stars")]
+
+
+class StageLog:
+    """OUT/<stage>.log with timestamps, and OUT/stages.json with each stage's wall time."""
+
+    def __init__(self, out: Path, stage: str) -> None:
+        self.out, self.stage = out, stage
+        self.logger = logging.getLogger(f"ddspec.train.{stage}")
+        self.logger.setLevel(logging.INFO)
+        self.logger.handlers.clear()
+        handler = logging.FileHandler(out / f"{stage}.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        self.logger.addHandler(handler)
+        self.t0 = time.perf_counter()
+
+    def info(self, msg: str, echo: bool = True) -> None:
+        self.logger.info(msg)
+        if echo:
+            print(f"[train {self.stage}] {msg}", file=sys.stderr, flush=True)
+
+    def finish(self, **extra) -> None:
+        path = self.out / "stages.json"
+        stages = json.loads(path.read_text()) if path.is_file() else {}
+        entry = stages.get(self.stage, {"wall_s": 0.0})
+        entry["wall_s"] = entry.get("wall_s", 0.0) + time.perf_counter() - self.t0
+        entry.update(extra, finished=time.strftime("%Y-%m-%d %H:%M:%S"))
+        stages[self.stage] = entry
+        path.write_text(json.dumps(stages, indent=1))
+        self.info(f"done in {time.perf_counter() - self.t0:.0f} s (this run)")
+
+
+def _setup(args: argparse.Namespace):
+    from ddspec.commands import DTYPES, setup_torch
+    from ddspec.models.loading import load_target
+
+    setup_torch(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if args.tiny:
+        from ddspec.models.tiny import make_tiny_model_dir
+
+        tiny = out / "tiny_model"
+        if not (tiny / "config.json").is_file():
+            make_tiny_model_dir(tiny, "llama", seed=0, hidden=64, layers=2, max_position=1024)
+        model = str(tiny)
+    target = load_target(model, impl="native", device=args.device, dtype=DTYPES[args.dtype])
+    return out, target
+
+
+def stage_data(args, out: Path, target) -> None:
+    from ddspec.train.data import PromptRecord, balanced_mix, read_prompts
+    from ddspec.train.generate import GenerationSettings, run_generation
+
+    log = StageLog(out, "data")
+    if args.tiny:
+        records = [PromptRecord(str(i), "tiny", t) for i, t in enumerate(TINY_PROMPTS)]
+        budget, settings = 600, GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8)
+    else:
+        records, report = read_prompts(Path(args.prompts))
+        log.info(f"prompts: {args.prompts}: {report.describe()}")
+        records = balanced_mix(records)
+        budget = args.response_tokens
+        settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    log.info(f"{len(records)} prompts after rebalancing; greedy responses up to {settings.max_new_tokens} tokens; "
+             f"budget {budget} response tokens")
+    with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
+        manifest = run_generation(target, records, out / "data", settings, budget, progress=bar)
+    log.info(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens, "
+             f"{len(manifest['shards'])} shards, generation wall {manifest['wall_s']:.0f} s")
+    log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
+
+
+def _new_head(target, sequences, draft_vocab: int):
+    from ddspec.draft.checkpoint import random_head
+    from ddspec.train.trainer import draft_vocabulary
+
+    head = random_head(target.hf_config, seed=0)
+    if draft_vocab:
+        ids = draft_vocabulary(sequences, draft_vocab, target.info.vocab_size)
+        head.register_buffer("d2t", ids - torch.arange(ids.numel()))
+    return head
+
+
+def stage_fit(args, out: Path, target) -> None:
+    from ddspec.draft.checkpoint import save_head
+    from ddspec.train.generate import load_shards, target_fingerprint
+    from ddspec.train.trainer import HeadTrainer, TrainSettings
+
+    log = StageLog(out, "fit")
+    manifest_path = out / "data" / "manifest.json"
+    if not manifest_path.is_file():
+        raise DdspecError(f"no training data in {out / 'data'}: run `ddspec train data --out {out}` first")
+    manifest = json.loads(manifest_path.read_text())
+    mine = target_fingerprint(target)
+    if manifest["target"] != mine:
+        raise DdspecError(f"{out / 'data'} was generated by {manifest['target']}, not by this target {mine}")
+    sequences = load_shards(out / "data")
+    settings = TrainSettings(
+        epochs=args.epochs if not args.tiny else 3.0, lr=args.lr, batch_tokens=args.batch_tokens if not args.tiny else 512,
+        draft_vocab=args.draft_vocab if not args.tiny else 0, checkpoint_every=args.checkpoint_every,
+        warmup_steps=100 if not args.tiny else 5,
+    )
+    head = _new_head(target, sequences, settings.draft_vocab)
+    trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out)
+    if trainer.try_resume():
+        log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
+    log.info(f"{len(sequences)} sequences, {len(trainer.batches)} batches per epoch, {trainer.total_steps} steps; "
+             f"settings {settings}")
+    with tqdm(total=trainer.total_steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr,
+              disable=None) as bar:
+        trainer.train(progress=bar, log=lambda s: log.logger.info(json.dumps(s)) if s["step"] % 20 == 0 else None)
+    last = trainer.history[-50:]
+    summary = {k: sum(h[k] for h in last) / max(1, len(last)) for k in ("loss", "v_loss", "p_loss", "acc")}
+    log.info(f"final (mean of last {len(last)} steps): {summary}")
+    save_head(head, out / "head", metadata={"training": {"steps": trainer.step, "settings": asdict(settings), "train_wall_s": trainer.wall_s, **summary}})
+    log.finish(steps=trainer.step, train_wall_s=trainer.wall_s, **summary)
+
+
+def stage_eval(args, out: Path, target) -> None:
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.train.evaluate import evaluate_head, first_turns
+
+    log = StageLog(out, "eval")
+    head = load_head(out / "head", target.info)
+    if args.tiny:
+        sets = {"tiny": TINY_PROMPTS[:4]}
+        new_tokens = 24
+    else:
+        root = Path(args.prompts).resolve().parents[1] / "eval"
+        sets = {name: first_turns(root / f"{name}.jsonl", args.eval_limit) for name in EVAL_FILES}
+        new_tokens = args.eval_new_tokens
+    results = {}
+    variants = {"head": head}
+    if hasattr(head, "d2t"):  # measure the reduced vocabulary against the same head without it
+        full = load_head(out / "head", target.info)
+        del full.d2t
+        variants["head_full_vocab"] = full
+    total = sum(len(p) for p in sets.values()) * len(variants)
+    with tqdm(total=total, desc="eval", unit="prompt", file=sys.stderr, disable=None) as bar:
+        for vname, h in variants.items():
+            for name, prompts in sets.items():
+                r = evaluate_head(target, h, prompts, new_tokens, progress=bar)
+                results.setdefault(vname, {})[name] = r
+                log.info(f"{vname} {name}: tau {r['tau']:.2f}, depth acceptance "
+                         f"{[round(x, 2) for x in r['depth_acceptance']]}, draft {r['draft_ms_per_step']:.1f} ms/step, "
+                         f"identical {r['identical_to_plain']}")
+    (out / "eval.json").write_text(json.dumps(results, indent=1))
+    log.finish()
+
+
+def stage_export(args, out: Path, target) -> None:
+    from ddspec.draft.checkpoint import load_head, save_head
+    from ddspec.train.model_card import write_model_card
+
+    log = StageLog(out, "export")
+    dest = Path(args.to) if args.to else out / "export"
+    head = load_head(out / "head", target.info)
+    meta = json.loads((out / "head" / "config.json").read_text()).get("ddspec", {})
+    save_head(head.half(), dest, metadata=meta)
+    write_model_card(dest, out, target)
+    log.info(f"head written to {dest}")
+    log.finish()
+
+
+def run_stages(args: argparse.Namespace) -> int:
+    out, target = _setup(args)
+    stages = {"data": stage_data, "fit": stage_fit, "eval": stage_eval, "export": stage_export}
+    todo = list(stages) if args.stage == "all" else [args.stage]
+    for name in todo:
+        stages[name](args, out, target)
+    return 0
