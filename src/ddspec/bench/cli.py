@@ -112,10 +112,11 @@ def _hf_model(args: argparse.Namespace, target):
 
 
 def _meta(args, parser, methods: list[str], target) -> dict:
-    from ddspec.bench.report import machine_info
-    from ddspec.methods import shipped_head
-
     import torch
+
+    from ddspec.bench.report import machine_info
+    from ddspec.bench.runner import WARMUP_TOKENS
+    from ddspec.methods import shipped_head
 
     head = args.head or shipped_head(target.info.name)
     decoding = ("greedy" if args.temperature == 0 else
@@ -132,6 +133,10 @@ def _meta(args, parser, methods: list[str], target) -> dict:
         "max new tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "decoding": decoding,
+        "fairness": f"one untimed warm-up per method (at most {WARMUP_TOKENS} tokens); methods interleaved per "
+                    "prompt and turn, their order rotated every round; stop at --max-new-tokens or EOS "
+                    "(counted) for all",
+        **({"resumed": "yes: records of the earlier run(s) in this folder are included"} if args.resume else {}),
         **machine_info(torch.get_num_threads(), args.device),
     }
 
@@ -153,6 +158,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     tree = tree_from_args(args)
     prompts = load_prompts(args.prompts, args.limit)
     out = Path(args.out or f"{DEFAULT_OUT}/{datetime.now():%Y%m%d-%H%M%S}")
+    args.out = str(out)  # shown in the summary's command line
     settings = run_settings(args)
     check_run_dir(out, settings, args.resume)
     # 2. Models and arms.

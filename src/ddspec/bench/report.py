@@ -174,8 +174,8 @@ def _lossless_cell(row: dict, method: str, baseline: str, greedy: bool) -> str:
     return f"{row['lossless']['equal']}/{row['lossless']['compared']}"
 
 
-TABLE_HEAD = ("| method | gens | tokens | tokens/s | speedup | τ | tree size | draft ms/step | verify ms/step | lossless |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| method | gens | tokens | tokens/s | speedup | τ | tree size | draft ms/step | verify ms/step "
+              "| lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def render_table(group: dict[str, dict], baseline: str, greedy: bool) -> str:
@@ -212,7 +212,8 @@ def render_markdown(summary: dict, meta: dict, interrupted: str | None = None) -
             "τ: mean tokens per decoding step (accepted + 1); tree size: nodes verified per step, root included; "
             "draft/verify ms: means per step. HF arms do not expose their steps (—).",
             "Lossless: k/n greedy outputs equal to `vanilla`'s token for token (turns after the first use each "
-            "method's own earlier answers, so one divergence can carry into the next turn)." if greedy else
+            "method's own earlier answers, so one divergence can carry into the next turn; HF arms run "
+            "transformers' own forward, whose fp32 rounding can flip a near-tie)." if greedy else
             "Lossless: not checked (sampling run; exact equality is only expected for greedy decoding).", ""]
     if baseline not in summary["overall"]:
         out += [f"No `{baseline}` arm in this run: speedups and losslessness are unavailable.", ""]
