@@ -121,3 +121,18 @@ def test_target_probs_top_k_and_top_p():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
     p = target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.81))
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+
+
+def test_incremental_text_equals_full_decode(default_native):
+    """Streaming deltas concatenate to the full decode, multi-byte characters included."""
+    from ddspec.engine import TextAssembler
+
+    tok = default_native.tokenizer
+    text = "Héllo wörld — 東京 🚀 costs €5.\nNew line,  double  space."
+    ids = tok.encode(text, add_special_tokens=False)
+    asm = TextAssembler(tok, ())
+    out = "".join(asm.add([i]) for i in ids) + asm.flush()
+    assert out == tok.decode(ids, skip_special_tokens=True)
+    asm = TextAssembler(tok, ("東京",))
+    out = "".join(asm.add([i]) for i in ids) + asm.flush()
+    assert asm.stopped and out == text[: text.find("東京")]

@@ -64,16 +64,23 @@ def _levels(text: str) -> tuple[int, ...]:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    from ddspec.config import TreeConfig
+    """--method plus the head and tree flags (generate, chat)."""
     from ddspec.methods import METHODS
 
-    d = TreeConfig()
-    g = p.add_argument_group("speculative decoding")
+    g = add_tree_args(p)
     g.add_argument("--method", default="auto", choices=("auto",) + METHODS,
                    help="vanilla = plain decoding; chain = one draft token per level; eagle = static "
                         "tree (EAGLE-1); eagle2 = dynamic tree (EAGLE-2); ddd = dynamic tree with "
                         "Dynamic Depth Decoding. auto (default): ddd when a draft head is available "
                         "for the model, else vanilla")
+
+
+def add_tree_args(p: argparse.ArgumentParser):
+    """The draft head and tree-size flags; returns their argument group."""
+    from ddspec.config import TreeConfig
+
+    d = TreeConfig()
+    g = p.add_argument_group("speculative decoding")
     g.add_argument("--head", default=None,
                    help="EAGLE-1/2 head folder (default: the head shipped for the model, if any); "
                         "'random' or 'random:SEED' uses an untrained head (testing only)")
@@ -89,6 +96,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="levels after which DDD checks the beam, comma-separated (default 5,7,9)")
     g.add_argument("--max-depth", type=int, default=d.max_depth,
                    help=f"most levels DDD may draft (default {d.max_depth})")
+    return g
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -77,31 +77,51 @@ class GenerationResult:
 
 
 class TextAssembler:
-    """Incremental detokenisation with stop-string detection."""
+    """Incremental detokenisation with stop-string detection, O(new tokens) per step.
+
+    The text of the newest tokens is the difference of two decodes that start at the same
+    ``prefix_offset`` (so tokenizers that treat a leading space specially decode consistently);
+    a partial UTF-8 character is held back until the token that completes it arrives.
+    """
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
         self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.decoded = ""  # text of ids[:read_offset]
         self.text = ""  # text already handed out
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self) -> None:
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.decoded += full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+
     def add(self, ids: list[int]) -> str:
         """Text to hand out after ``ids``: held back while it could still start a stop string."""
+        if self.stopped:
+            return ""
         self.ids += ids
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        before = len(self.decoded)
+        self._advance()
+        full = self.decoded
+        longest = max((len(s) for s in self.stop_strings), default=0)
         for s in self.stop_strings:
-            cut = full.find(s)
+            cut = full.find(s, max(0, before - longest))
             if cut >= 0:
                 self.stopped = True
                 full = full[:cut]
         ready = full if self.stopped else full[: len(full) - self._held_back(full)]
-        delta, self.text = ready[len(self.text):], ready
+        delta, self.text = ready[len(self.text) :], ready
         return delta
 
     def _held_back(self, full: str) -> int:
-        """Length of the tail that is a partial character or a prefix of some stop string."""
-        if full.endswith("\ufffd"):
-            return 1 + self._held_back(full[:-1])
+        """Length of the tail that is a prefix of some stop string."""
         longest = 0
         for s in self.stop_strings:
             for n in range(min(len(s) - 1, len(full)), longest, -1):
@@ -114,8 +134,8 @@ class TextAssembler:
         """At the end of generation: whatever was held back (no stop string completed it)."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        delta, self.text = full[len(self.text):], full
+        full = self.decoded + self._decode(self.ids[self.read_offset :]) if self.read_offset < len(self.ids) else self.decoded
+        delta, self.text = full[len(self.text) :], full
         return delta
 
 

@@ -49,19 +49,22 @@ def resolve_head(spec: str | None, target):
     if folder is None:
         raise DdspecError(
             f"no draft head for {target.info.name}: pass --head FOLDER (an EAGLE-1/2 head; "
-            "`ddspec train` makes one), or use --method vanilla"
+            "`ddspec train` makes one), or decode without a draft (method vanilla)"
         )
     return load_head(folder, target.info, target.device, target.dtype)
 
 
-def make_drafter(method: str, target, head_spec: str | None, base: TreeConfig = TreeConfig()):
-    """The drafter for a method, or None for vanilla."""
+def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
+    """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead, or a --head spec."""
     from ddspec.draft.eagle import EagleDrafter
+    from ddspec.draft.head import EagleHead
 
     cfg = tree_config(method, base)
     if cfg is None:
         return None
-    return EagleDrafter(resolve_head(head_spec, target), target, cfg)
+    if not isinstance(head, EagleHead):
+        head = resolve_head(head, target)
+    return EagleDrafter(head, target, cfg)
 
 
 def default_method(target, head_spec: str | None) -> str:

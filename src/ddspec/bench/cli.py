@@ -26,10 +26,10 @@ DEFAULT_OUT = "bench-results"
 
 def add_parser(sub) -> None:
     from ddspec.bench.runner import method_names
-    from ddspec.cli import add_model_args, add_spec_args
+    from ddspec.cli import add_model_args, add_tree_args
 
     p = sub.add_parser(
-        "bench", help="benchmark every method side by side (tokens/s, speedup, τ, losslessness, plots)",
+        "bench", allow_abbrev=False, help="benchmark every method side by side (tokens/s, speedup, τ, losslessness, plots)",
         description="Run each method on the same prompts, interleaved, after one warm-up each; write "
                     "records.jsonl, summary.md, summary.json and PNG plots to --out. Speedup is measured "
                     "against vanilla (plain decoding) in the same run.")
@@ -55,10 +55,7 @@ def add_parser(sub) -> None:
                    help="sample among the k most likely tokens (default 0 = off)")
     d.add_argument("--seed", type=int, default=None, help="random seed for sampling, reset for every generation")
     add_model_args(p)
-    add_spec_args(p)
-    for action in p._actions:  # bench takes --methods (plural); --method only says so
-        if action.dest == "method":
-            action.help = argparse.SUPPRESS
+    add_tree_args(p)
     p.set_defaults(handler=partial(run, parser=p))
 
 
@@ -91,8 +88,6 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if args.method != "auto":
-        raise DdspecError("bench compares several methods: use --methods (plural), e.g. --methods vanilla,eagle2,ddd")
     for flag, value in (("--repeats", args.repeats), ("--limit", args.limit)):
         if value is not None and value < 1:
             raise DdspecError(f"{flag} must be >= 1, got {value}")

@@ -150,13 +150,18 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
 
     arms: dict[str, Arm] = {}
     hf_model = None
+    head = None  # loaded once, shared by every tree method
     for m in methods:
         if m in HF_ARMS:
             hf_model = hf_model if hf_model is not None else load_hf_model()
             arms[m] = HFArm(hf_model, target.info.eos_token_ids, target.info.max_position, sampling, HF_ARMS[m])
             continue
         try:
-            drafter = make_drafter(m, target, head_spec, tree)
+            if m != "vanilla" and head is None:
+                from ddspec.methods import resolve_head
+
+                head = resolve_head(head_spec, target)
+            drafter = make_drafter(m, target, head, tree)
         except DdspecError as e:
             raise type(e)(f"method {m}: {e}") from None
         engine = Engine(target, drafter, sampling)

@@ -173,7 +173,7 @@ class HeadTrainer:
             self.opt.step()
             self.step += 1
             self.wall_s += time.perf_counter() - t0
-            stats.update(step=self.step, lr=self.lr_at(self.step - 1), loss=float(loss))
+            stats.update(step=self.step, lr=self.lr_at(self.step - 1), loss=float(loss.detach()))
             self.history.append(stats)
             if progress:
                 progress.update(1)

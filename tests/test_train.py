@@ -1,0 +1,93 @@
+"""`ddspec train`: the tiny end-to-end pipeline, resumption, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddspec.cli import main
+from ddspec.errors import DdspecError
+from ddspec.train.data import balanced_mix, read_prompts
+
+
+def test_tiny_pipeline_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "all", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert manifest["response_tokens"] >= 600
+    stages = json.loads((out / "stages.json").read_text())
+    assert set(stages) == {"data", "fit", "eval", "export"} and all(s["wall_s"] > 0 for s in stages.values())
+    evals = json.loads((out / "eval.json").read_text())
+    r = evals["head"]["tiny"]
+    assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
+    card = (out / "export" / "README.md").read_text()
+    assert "τ" in card and "Reproduce" in card
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["ddspec"]["training"]["steps"] > 0
+    # trained on the target's answers, the head predicts them better than chance
+    fit = stages["fit"]
+    assert fit["acc"] > 0.1
+
+    # running a finished stage again resumes: no new shards, no new training steps
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    assert json.loads((out / "data" / "manifest.json").read_text())["sequences"] == manifest["sequences"]
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    assert "resuming from step" in capsys.readouterr().err
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
+
+
+def test_data_from_another_target_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    manifest_path = out / "data" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["target"] = "SomeOtherModel:0123456789abcdef"
+    manifest_path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    for stage in ("data", "fit"):
+        assert main(["train", stage, "--tiny", "--out", str(out), "--threads", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "SomeOtherModel" in err and "Traceback" not in err
+
+
+def test_bad_prompt_lines_are_skipped_and_counted(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "source": "s", "turns": ["hello"]}\n'
+                 'not json\n'
+                 '{"id": "b", "turns": []}\n'
+                 '\n'
+                 '{"id": "c", "source": "t", "turns": ["world"]}\n')
+    records, report = read_prompts(f)
+    assert [r.id for r in records] == ["a", "c"]
+    assert report.bad_lines == [2, 3] and "2 skipped" in report.describe() and "lines 2, 3" in report.describe()
+    with pytest.raises(DdspecError, match="not found"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_balanced_mix_caps_and_interleaves():
+    from ddspec.train.data import PromptRecord
+
+    recs = [PromptRecord(f"g{i}", "gsm8k_train", "q") for i in range(100)]
+    recs += [PromptRecord(f"r{i}", "roleplay", "q") for i in range(10)]
+    mix = balanced_mix(recs, caps={"gsm8k_train": 20})
+    assert len(mix) == 30
+    first_half = mix[:15]
+    assert 3 <= sum(r.source == "roleplay" for r in first_half) <= 7  # interleaved, not appended
+
+
+def test_generated_features_match_a_full_forward(tiny_targets):
+    from ddspec.train.generate import check_features_match, generate_batch
+
+    target = tiny_targets[("llama", "native")]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
+    results = generate_batch(target, prompts, 12)
+    from ddspec.config import StopConfig
+    from ddspec.engine import Engine
+
+    for p, (resp, feats) in zip(prompts, results):
+        ref = Engine(target).generate(p, StopConfig(max_new_tokens=12)).token_ids
+        assert resp == ref  # batched, left-padded greedy == single-sequence greedy
+        assert check_features_match(target, feats, torch.tensor(p + resp)) < 1e-4
