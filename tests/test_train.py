@@ -82,8 +82,9 @@ def test_generated_features_match_a_full_forward(tiny_targets):
     from ddspec.train.generate import check_features_match, generate_batch
 
     target = tiny_targets[("llama", "native")]
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20]]
-    results = generate_batch(target, prompts, 12)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20], [30, 31], [40, 41, 42, 43, 44, 45], [50, 51, 52, 53]]
+    # 2 rows for 6 prompts: rows are refilled; capacity 2 * (6 + 12) slots: the cache shifts
+    results = generate_batch(target, prompts, 12, rows=2, max_prompt=6)
     from ddspec.config import StopConfig
     from ddspec.engine import Engine
 

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,66 +45,148 @@ def target_fingerprint(target) -> str:
 class GenerationSettings:
     max_prompt_tokens: int = 384
     max_new_tokens: int = 256
-    batch_size: int = 16
-    shard_prompts: int = 64
+    batch_size: int = 32  # rows decoded together
+    shard_prompts: int = 256
 
 
-@torch.inference_mode()
-def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int
-                   ) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy answers to ``prompts`` (left-padded batch). Returns per prompt (response ids,
-    features of prompt + response[:-1] as [P + R - 1, H] fp32)."""
-    b = len(prompts)
-    p_max = max(len(p) for p in prompts)
-    a, dev = target.arch, target.device
-    pad = torch.tensor([p_max - len(p) for p in prompts], device=dev)  # [B]
-    tokens = torch.zeros(b, p_max, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        tokens[i, pad[i]:] = torch.tensor(p)
-    cache = StaticKVCache(a.num_layers, a.num_kv_heads, a.head_dim, p_max + max_new, batch=b,
-                          dtype=target.dtype, device=dev)
-    eos = torch.tensor(sorted(target.info.eos_token_ids), device=dev)
-    rows = torch.arange(b, device=dev)  # original index of each live row
-    slots = torch.arange(p_max + max_new, device=dev)
-    out_ids: list[list[int]] = [[] for _ in range(b)]
-    feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
+def _layers_forward(target: NativeLlama, x: torch.Tensor, positions: torch.Tensor, attend, mask: torch.Tensor
+                    ) -> torch.Tensor:
+    """All decoder layers + final norm; ``attend(layer)`` gives the layer's cache writer."""
+    for li, layer in enumerate(target.layers):
+        x = layer_forward(layer, x, target.arch, target.rotary, positions, attend(li), mask)
+    return target.final_norm(x)
 
-    def step(x_tokens: torch.Tensor, start: int) -> torch.Tensor:
-        n = x_tokens.shape[1]
-        end = start + n
-        q_slots = slots[start:end]
-        positions = (q_slots.view(1, n) - pad[rows].view(-1, 1)).clamp(min=0)  # [B', N]
-        visible = slots[:end].view(1, 1, end) >= pad[rows].view(-1, 1, 1)  # [B', 1, T]
-        causal = slots[:end].view(1, end) <= q_slots.view(n, 1)  # [N, T]
-        mask = (visible & causal.view(1, n, end)) | (slots[:end] == q_slots.view(n, 1)).view(1, n, end)
-        x = target.embed(x_tokens)  # [B', N, H]
-        for li, layer in enumerate(target.layers):
-            x = layer_forward(layer, x, a, target.rotary, positions,
-                              lambda k, v, li=li: cache.write(li, k, v), mask.unsqueeze(1))
-        cache.advance(n)
-        return target.final_norm(x)  # [B', N, H]
 
-    h = step(tokens, 0)
-    for i in range(b):
-        feats[i].append(h[i, pad[i]:].float())
-    nxt = target.lm_head(h[:, -1]).argmax(-1)  # [B]
-    for t in range(max_new):
-        for r, tok in zip(rows.tolist(), nxt.tolist()):
-            out_ids[r].append(tok)
-        done = torch.isin(nxt, eos)
-        if t == max_new - 1:
-            break
-        if bool(done.any()):
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
-                break
-            rows, nxt = rows[keep], nxt[keep]
-            cache.keys, cache.values = cache.keys[:, keep], cache.values[:, keep]
-        h = step(nxt.view(-1, 1), cache.length)
-        for j, r in enumerate(rows.tolist()):
-            feats[r].append(h[j].float())
-        nxt = target.lm_head(h[:, 0]).argmax(-1)
-    return [(out_ids[i], torch.cat(feats[i])) for i in range(b)]
+class ContinuousBatcher:
+    """Greedy decoding of many prompts with a fixed number of rows, refilled as answers finish.
+
+    All rows write their newest token's KV at the same cache slot ``s``; row r's sequence
+    occupies slots [start[r], s], so its positions are ``slot - start[r]`` and its mask hides
+    everything before start[r]. A finished row is refilled with the next prompts (prefilled
+    together, then copied in so that they end at slot s). When the slots run out, the cache is
+    shifted left by the space no live row needs.
+    """
+
+    def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int) -> None:
+        a = target.arch
+        self.target, self.rows, self.max_prompt, self.max_new = target, rows, max_prompt, max_new
+        self.capacity = 2 * (max_prompt + max_new)
+        self.keys = torch.zeros(a.num_layers, rows, a.num_kv_heads, self.capacity, a.head_dim,
+                                dtype=target.dtype, device=target.device)  # [L, R, Hkv, T, D]
+        self.values = torch.zeros_like(self.keys)
+        self.start = torch.zeros(rows, dtype=torch.long, device=target.device)  # [R]
+        self.s = max_prompt  # the next write slot; >= any prompt length, so prompts fit before it
+        self.eos = torch.tensor(sorted(target.info.eos_token_ids), device=target.device)
+
+    def _prefill(self, prompts: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run new prompts (left-padded), place their KV in ``rows`` ending at slot s."""
+        t, dev = self.target, self.target.device
+        p = max(len(x) for x in prompts)
+        pad = torch.tensor([p - len(x) for x in prompts], device=dev)
+        tokens = torch.zeros(len(prompts), p, dtype=torch.long, device=dev)
+        for i, x in enumerate(prompts):
+            tokens[i, pad[i]:] = torch.tensor(x)
+        idx = torch.arange(p, device=dev)
+        positions = (idx.view(1, p) - pad.view(-1, 1)).clamp(min=0)
+        mask = (idx.view(1, 1, p) <= idx.view(1, p, 1)) & (idx.view(1, 1, p) >= pad.view(-1, 1, 1))
+        mask = (mask | torch.eye(p, dtype=torch.bool, device=dev)).unsqueeze(1)  # [B, 1, P, P]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def attend(li):
+            def store(k, v):
+                kv.append((k, v))
+                return k, v
+            return store
+
+        h = _layers_forward(t, t.embed(tokens), positions, attend, mask)  # [B, P, H]
+        r = torch.tensor(rows, device=dev)
+        for li, (k, v) in enumerate(kv):
+            self.keys[li, r, :, self.s - p : self.s] = k
+            self.values[li, r, :, self.s - p : self.s] = v
+        self.start[r] = self.s - p + pad
+        first = t.lm_head(h[:, -1]).argmax(-1)  # [B]
+        return first, [h[i, pad[i]:].float() for i in range(len(prompts))]
+
+    def _shift(self) -> None:
+        live = self.start[self.live]
+        shift = int(min(int(live.min()) if live.numel() else self.s, self.s - self.max_prompt))
+        n = self.s - shift
+        self.keys[:, :, :, :n] = self.keys[:, :, :, shift : self.s].clone()
+        self.values[:, :, :, :n] = self.values[:, :, :, shift : self.s].clone()
+        self.start -= shift
+        self.s = n
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token for every row at slot s; returns features [R, H]."""
+        t, dev, s = self.target, self.target.device, self.s
+        lo = int(self.start[self.live].min())
+        slots = torch.arange(lo, s + 1, device=dev)
+        mask = (slots.view(1, 1, 1, -1) >= self.start.view(-1, 1, 1, 1))  # [R, 1, 1, T]
+        positions = (s - self.start).clamp(min=0).view(-1, 1)  # [R, 1]
+
+        def attend(li):
+            def store(k, v):
+                self.keys[li, :, :, s] = k[:, :, 0]
+                self.values[li, :, :, s] = v[:, :, 0]
+                return self.keys[li, :, :, lo : s + 1], self.values[li, :, :, lo : s + 1]
+            return store
+
+        h = _layers_forward(t, t.embed(tokens.view(-1, 1)), positions, attend, mask)
+        self.s += 1
+        return h[:, 0]
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]]):
+        """Yield (prompt index, response ids, features [P + R - 1, H]) as answers finish."""
+        queue = list(range(len(prompts)))[::-1]
+        item = [-1] * self.rows  # prompt index per row, -1 = free
+        out: dict[int, list[int]] = {}
+        feats: dict[int, list[torch.Tensor]] = {}
+        nxt = torch.zeros(self.rows, dtype=torch.long, device=self.target.device)
+        while True:
+            free = [r for r in range(self.rows) if item[r] < 0]
+            if free and queue:
+                take = [queue.pop() for _ in free[: len(queue)]]
+                rows = free[: len(take)]
+                first, prompt_feats = self._prefill([prompts[i] for i in take], rows)
+                for r, i, f0, pf in zip(rows, take, first.tolist(), prompt_feats):
+                    item[r], out[i], feats[i] = i, [f0], [pf]
+                    nxt[r] = f0
+            self.live = torch.tensor([r for r in range(self.rows) if item[r] >= 0], dtype=torch.long)
+            finished = [r for r in self.live.tolist() if out[item[r]][-1] in self.eos.tolist()
+                        or len(out[item[r]]) >= self.max_new]
+            for r in finished:
+                i = item[r]
+                yield i, out.pop(i), torch.cat(feats.pop(i))
+                item[r] = -1
+            if finished:
+                continue  # refill before stepping
+            if not self.live.numel():
+                return
+            if not queue and self.live.numel() < self.rows:  # draining: stop computing free rows
+                keep = self.live
+                self.keys, self.values = self.keys[:, keep], self.values[:, keep]
+                self.start, nxt = self.start[keep], nxt[keep]
+                item = [item[r] for r in keep.tolist()]
+                self.rows = keep.numel()
+                self.live = torch.arange(self.rows)
+            if self.s >= self.capacity:
+                self._shift()
+            h = self._step(nxt)
+            nxt = self.target.lm_head(h).argmax(-1)
+            for r in self.live.tolist():
+                out[item[r]].append(int(nxt[r]))
+                feats[item[r]].append(h[r : r + 1].float())
+
+
+def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int, rows: int = 16,
+                   max_prompt: int | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy answers to all ``prompts``: (response ids, features of prompt + response[:-1])."""
+    batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new)
+    results: dict[int, tuple[list[int], torch.Tensor]] = {}
+    for i, ids, f in batcher.run(prompts):
+        results[i] = (ids, f)
+    return [results[i] for i in range(len(prompts))]
 
 
 class ShardWriter:
@@ -168,6 +250,8 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
     if not isinstance(target, NativeLlama):
         raise DdspecError("training data generation needs the native implementation (--impl native)")
     writer = ShardWriter(out_dir, target_fingerprint(target), asdict(settings) | {"token_budget": token_budget})
+    if "shard_prompts" in writer.manifest["settings"]:  # resuming: keep the shard boundaries
+        settings = replace(settings, shard_prompts=writer.manifest["settings"]["shard_prompts"])
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
     shards = [prompts[i: i + settings.shard_prompts] for i in range(0, len(prompts), settings.shard_prompts)]
     for s, shard in enumerate(shards):
@@ -179,17 +263,15 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
             continue
         t0 = time.perf_counter()
         sequences, n_resp = [], 0
-        order = sorted(range(len(shard)), key=lambda i: len(shard[i][1]))  # similar lengths per batch
-        for j in range(0, len(order), settings.batch_size):
-            batch = [shard[i] for i in order[j: j + settings.batch_size]]
-            results = generate_batch(target, [ids for _, ids in batch], settings.max_new_tokens)
-            for (pid, ids), (resp, feats) in zip(batch, results):
-                seq = ids + resp
-                sequences.append({"id": pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
-                                  "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
-                n_resp += len(resp)
-                if progress:
-                    progress.update(len(resp))
+        results = generate_batch(target, [ids for _, ids in shard], settings.max_new_tokens,
+                                 rows=settings.batch_size, max_prompt=settings.max_prompt_tokens)
+        for (pid, ids), (resp, feats) in zip(shard, results):
+            seq = ids + resp
+            sequences.append({"id": pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
+                              "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
+            n_resp += len(resp)
+        if progress:
+            progress.update(n_resp)
         writer.write(s, sequences, n_resp, time.perf_counter() - t0)
     return writer.manifest
 
