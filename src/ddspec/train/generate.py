@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -208,17 +208,16 @@ class ShardWriter:
             self.manifest = {"target": fingerprint, "settings": settings, "shards": {}, "response_tokens": 0,
                              "sequences": 0, "wall_s": 0.0}
 
-    def done(self, shard: int) -> bool:
-        return f"{shard:05d}" in self.manifest["shards"] and (self.dir / f"shard-{shard:05d}.pt").is_file()
-
-    def write(self, shard: int, sequences: list[dict], response_tokens: int, wall_s: float) -> None:
+    def write(self, shard: int, sequences: list[dict], response_tokens: int, wall_s: float, *, first: int,
+              prompts: int) -> None:
         name = f"shard-{shard:05d}.pt"
         tmp = self.dir / (name + ".tmp")
         try:
             torch.save(sequences, tmp)
             os.replace(tmp, self.dir / name)
             m = self.manifest
-            m["shards"][f"{shard:05d}"] = {"sequences": len(sequences), "response_tokens": response_tokens}
+            m["shards"][f"{shard:05d}"] = {"sequences": len(sequences), "response_tokens": response_tokens,
+                                          "first": first, "prompts": prompts}
             m["response_tokens"] += response_tokens
             m["sequences"] += len(sequences)
             m["wall_s"] += wall_s
@@ -250,17 +249,16 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
     if not isinstance(target, NativeLlama):
         raise DdspecError("training data generation needs the native implementation (--impl native)")
     writer = ShardWriter(out_dir, target_fingerprint(target), asdict(settings) | {"token_budget": token_budget})
-    if "shard_prompts" in writer.manifest["settings"]:  # resuming: keep the shard boundaries
-        settings = replace(settings, shard_prompts=writer.manifest["settings"]["shard_prompts"])
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
-    shards = [prompts[i: i + settings.shard_prompts] for i in range(0, len(prompts), settings.shard_prompts)]
-    for s, shard in enumerate(shards):
-        if writer.manifest["response_tokens"] >= token_budget:
-            break
-        if writer.done(s):
-            if progress:
-                progress.update(writer.manifest["shards"][f"{s:05d}"]["response_tokens"])
-            continue
+    done = writer.manifest["shards"]
+    if progress:
+        progress.update(writer.manifest["response_tokens"])
+    # each shard records the prompt range it answered, so a resumed run may use another shard size
+    legacy = writer.manifest["settings"].get("shard_prompts", settings.shard_prompts)
+    first = max((e.get("first", int(k) * legacy) + e.get("prompts", legacy) for k, e in done.items()), default=0)
+    index = len(done)
+    while first < len(prompts) and writer.manifest["response_tokens"] < token_budget:
+        shard = prompts[first: first + settings.shard_prompts]
         t0 = time.perf_counter()
         sequences, n_resp = [], 0
         results = generate_batch(target, [ids for _, ids in shard], settings.max_new_tokens,
@@ -272,7 +270,8 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
             n_resp += len(resp)
         if progress:
             progress.update(n_resp)
-        writer.write(s, sequences, n_resp, time.perf_counter() - t0)
+        writer.write(index, sequences, n_resp, time.perf_counter() - t0, first=first, prompts=len(shard))
+        first, index = first + len(shard), index + 1
     return writer.manifest
 
 
