@@ -40,8 +40,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: the number of cores, %(default)s)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("decoding")
+def add_sampling_args(p: argparse.ArgumentParser, *, stop_strings: bool = True, title: str = "decoding") -> None:
+    g = p.add_argument_group(title)
     g.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (default 256)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples, and the output is still distributed exactly as the target's")
@@ -49,8 +49,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
                    help="sample among the k most likely tokens (default 0 = off)")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the output contains TEXT (repeatable)")
+    if stop_strings:
+        g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop when the output contains TEXT (repeatable)")
 
 
 def _levels(text: str) -> tuple[int, ...]:

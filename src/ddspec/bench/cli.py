@@ -26,7 +26,7 @@ DEFAULT_OUT = "bench-results"
 
 def add_parser(sub) -> None:
     from ddspec.bench.runner import method_names
-    from ddspec.cli import add_model_args, add_tree_args
+    from ddspec.cli import add_model_args, add_sampling_args, add_tree_args
 
     p = sub.add_parser(
         "bench", allow_abbrev=False, help="benchmark every method side by side (tokens/s, speedup, τ, losslessness, plots)",
@@ -46,14 +46,8 @@ def add_parser(sub) -> None:
                    help=f"results folder (default: {DEFAULT_OUT}/DATE-TIME)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out: skip the generations already in its records.jsonl")
-    d = p.add_argument_group("decoding (the same stop rules for every method: --max-new-tokens and EOS)")
-    d.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (default 256)")
-    d.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default; losslessness is only checked then); > 0 samples")
-    d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
-    d.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
-                   help="sample among the k most likely tokens (default 0 = off)")
-    d.add_argument("--seed", type=int, default=None, help="random seed for sampling, reset for every generation")
+    add_sampling_args(p, stop_strings=False,
+                      title="decoding (the same stop rules for every method: --max-new-tokens and EOS)")
     add_model_args(p)
     add_tree_args(p)
     p.set_defaults(handler=partial(run, parser=p))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from datetime import date
@@ -23,22 +22,13 @@ from pathlib import Path
 
 import torch
 
+from ddspec.bench.report import cpu_name
 from ddspec.config import StopConfig
 from ddspec.engine import Engine
 from ddspec.prompts import chat_prompt_ids
 
 PROMPT = "Write a detailed story about a lighthouse keeper who finds a message in a bottle."
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def copy_bandwidth(mbytes: int = 256, reps: int = 7) -> float:
