@@ -20,7 +20,14 @@ SMALL = TreeConfig(top_k=4, depth=4, total_tokens=14, ddd_check_depths=(2, 4), m
 
 def eagle(target, method: str, seed: int = 0, base: TreeConfig = SMALL) -> EagleDrafter:
     head = random_head(target.hf_config, seed=seed).eval().requires_grad_(False)
-    return EagleDrafter(head, target, tree_config(method, base))
+    cfg = tree_config(method, base)
+    if cfg.depth_policy != "cost":
+        return EagleDrafter(head, target, cfg)
+    from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, linear_cost
+
+    cost = CostModel(linear_cost(2.0, 0.05), draft_root_ms=0.1, draft_level_ms=0.2, other_ms=0.1)
+    policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=cfg.max_depth, max_tokens=cfg.total_tokens)
+    return EagleDrafter(head, target, cfg, cost_policy=policy)
 
 
 def plain(target, prompt, n):
@@ -36,7 +43,8 @@ def test_random_head_output_equals_plain(tiny_targets, family, impl, method):
         ref = plain(target, prompt, 30).token_ids
         res = Engine(target, eagle(target, method)).generate(prompt, stop)
         assert res.token_ids == ref
-        assert all(s.tree_size > 1 for s in res.stats.steps)
+        if method != "ddspec":  # the cost-aware policy may rightly verify the root alone
+            assert all(s.tree_size > 1 for s in res.stats.steps)
 
 
 @pytest.mark.parametrize("depth", [1, 3, 6])
@@ -158,3 +166,22 @@ def test_tree_scores_match_sequential_head_reference(tiny_targets, method):
             feats = torch.cat([feats, hidden[-1:]])
             toks = torch.cat([toks, tree.tokens[n].view(1)])
         assert abs(score - float(tree.scores[node])) < 1e-4, f"node {node} path {path}"
+
+
+def test_ddspec_method_calibrates_once_and_stays_lossless(tiny_targets, tmp_path, monkeypatch):
+    from ddspec import calibrate
+    from ddspec.methods import make_drafter
+
+    monkeypatch.setattr(calibrate, "cache_root", lambda: tmp_path)
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    drafter = make_drafter("ddspec", target, head, SMALL)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    make_drafter("ddspec", target, head, SMALL)  # cached: not measured again
+    assert files[0].stat().st_mtime_ns == stamp
+    ref = plain(target, PROMPTS[0], 30).token_ids
+    res = Engine(target, drafter).generate(PROMPTS[0], StopConfig(max_new_tokens=30, stop_on_eos=False))
+    assert res.token_ids == ref
+    assert float(drafter.cost_policy.acceptance.seen.sum()) > 0  # it learned from the verdicts

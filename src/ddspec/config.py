@@ -64,7 +64,7 @@ class StopConfig:
 
 
 TREE_SHAPES = ("chain", "static", "dynamic")
-DEPTH_POLICIES = ("fixed", "ddd")
+DEPTH_POLICIES = ("fixed", "ddd", "cost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class TreeConfig:
     depth: int = 6  # levels drafted by the fixed policy (chain length for shape="chain")
     total_tokens: int = 60  # tokens verified per step, root included (dynamic trees)
     static_paths: tuple[tuple[int, ...], ...] | None = None  # None = the built-in EAGLE-1-style tree
-    depth_policy: str = "fixed"  # fixed | ddd
+    depth_policy: str = "fixed"  # fixed | ddd | cost (measured costs, see tree/cost.py)
     ddd_threshold: float = -0.3  # stop when logsumexp(frontier scores) < this (log-probability)
     ddd_check_depths: tuple[int, ...] = (5, 7, 9)  # levels after which DDD checks the beam
     max_depth: int = 11  # hard cap on levels for DDD
@@ -101,8 +101,9 @@ class TreeConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} ({flag}) must be an integer >= 1, got {value!r}")
-        if self.depth_policy == "ddd" and self.shape != "dynamic":
-            raise ConfigError(f"DDD grows dynamic trees only; the {self.shape} shape has a fixed depth")
+        if self.depth_policy != "fixed" and self.shape != "dynamic":
+            raise ConfigError(f"the {self.depth_policy} depth policy grows dynamic trees only; "
+                              f"the {self.shape} shape has a fixed depth")
         threshold = _check_number("ddd_threshold (--ddd-threshold)", self.ddd_threshold)
         if threshold > 0 or math.isinf(threshold):
             raise ConfigError(

@@ -7,6 +7,7 @@
 | eagle   | static tree of index paths (EAGLE-1)   | the shape's own                |
 | eagle2  | dynamic top-k tree, reranked (EAGLE-2) | fixed (``depth``)              |
 | ddd     | dynamic top-k tree, reranked           | Dynamic Depth Decoding checks  |
+| ddspec  | dynamic top-k tree, size by cost       | cost-aware (tree/cost.py)      |
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 from ddspec.config import TreeConfig
 from ddspec.errors import ConfigError, DdspecError
 
-METHODS = ("vanilla", "chain", "eagle", "eagle2", "ddd")
-SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dynamic"}
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "ddd", "ddspec")
+SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dynamic", "ddspec": "dynamic"}
+POLICIES = {"ddd": "ddd", "ddspec": "cost"}
 HEADS_DIR = Path(__file__).parent / "heads"
 # the heads shipped with ddspec, by target name
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
@@ -30,7 +32,7 @@ def tree_config(method: str, base: TreeConfig = TreeConfig()) -> TreeConfig | No
         raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     if method == "vanilla":
         return None
-    return replace(base, shape=SHAPES[method], depth_policy="ddd" if method == "ddd" else "fixed")
+    return replace(base, shape=SHAPES[method], depth_policy=POLICIES.get(method, "fixed"))
 
 
 def shipped_head(target_name: str) -> Path | None:
@@ -64,7 +66,21 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
         return None
     if not isinstance(head, EagleHead):
         head = resolve_head(head, target)
-    return EagleDrafter(head, target, cfg)
+    if cfg.depth_policy != "cost":
+        return EagleDrafter(head, target, cfg)
+    return cost_aware_drafter(head, target, cfg)
+
+
+def cost_aware_drafter(head, target, cfg: TreeConfig):
+    """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs."""
+    from ddspec.calibrate import load_or_measure
+    from ddspec.draft.eagle import EagleDrafter
+    from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
+
+    probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))
+    cost, _ = load_or_measure(target, probe)
+    policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=cfg.max_depth, max_tokens=cfg.total_tokens)
+    return EagleDrafter(head, target, cfg, cost_policy=policy)
 
 
 def default_method(target, head_spec: str | None) -> str:

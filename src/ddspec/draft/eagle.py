@@ -19,6 +19,7 @@ from ddspec.config import TreeConfig
 from ddspec.draft.head import EagleHead
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
+from ddspec.tree.cost import CostAwarePolicy
 from ddspec.tree import (
     DEFAULT_STATIC_PATHS,
     DraftTree,
@@ -58,7 +59,7 @@ class DraftSlots:
 class EagleDrafter:
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, head: EagleHead, target, tree: TreeConfig) -> None:
+    def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None) -> None:
         if head.hidden_size != target.info.hidden_size:
             raise ConfigError(f"head hidden size {head.hidden_size} != target hidden size {target.info.hidden_size}")
         vocab = target.info.vocab_size
@@ -74,6 +75,9 @@ class EagleDrafter:
         if tree.shape == "dynamic" and tree.top_k > self.lm_head_t.shape[1]:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({self.lm_head_t.shape[1]})")
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
+        if (tree.depth_policy == "cost") != (cost_policy is not None):
+            raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
+        self.cost_policy = cost_policy  # kept across steps: it learns acceptance online
         self.cache = None
         self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
         self.last_policy = None
@@ -135,6 +139,10 @@ class EagleDrafter:
         self._commit_entries(target_out.features, nxt)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
+        if self.cost_policy is not None and tree.size > 1:
+            accepted = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
+            accepted[verdict.path] = True
+            self.cost_policy.observe(tree.scores[1:], accepted[1:])
         self.cache.truncate(self.committed)
         path = verdict.path
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
@@ -155,25 +163,38 @@ class EagleDrafter:
         cfg = self.cfg
         k = 1 if cfg.shape == "chain" else cfg.top_k
         total = cfg.depth + 1 if cfg.shape == "chain" else cfg.total_tokens
-        policy = self.last_policy = make_depth_policy(cfg)
+        cost = self.cost_policy
+        policy = self.last_policy = cost if cost is not None else make_depth_policy(cfg)
         slots = DraftSlots(self._committed, self.device)
         candidates, frontier = expand_root(self.logprobs(self.root_hidden.view(1, -1))[0], k)
         parent_hidden = self.root_hidden.expand(frontier.numel(), -1)  # [k, H] f̂ of each frontier node's parent
         parent_slot = torch.full((frontier.numel(),), -1, dtype=torch.long, device=self.device)
         level = 1
-        while policy.continue_after(level, candidates.scores[frontier]):
+        best_child = candidates.scores[:1]  # the best root child's log-prob
+        while self._continue(policy, level, candidates, frontier, best_child):
             mask = slots.add(parent_slot)
             first_slot = slots.rows.shape[0] - frontier.numel()
             hidden = self._run(parent_hidden, self.to_target_ids(candidates.tokens[frontier]),
                                torch.full((frontier.numel(),), position + level - 1, device=self.device), mask)
             row_of = torch.full((candidates.size,), -1, dtype=torch.long, device=self.device)
             row_of[frontier] = torch.arange(frontier.numel(), device=self.device)
-            candidates, frontier = expand_level(candidates, frontier, self.logprobs(hidden), k)
+            logprobs = self.logprobs(hidden)  # [k, Vd]
+            best_child = logprobs.max(dim=-1).values
+            candidates, frontier = expand_level(candidates, frontier, logprobs, k)
             row = row_of[candidates.parents[frontier]]  # the new frontier's parents: rows of the old one
             parent_hidden, parent_slot = hidden[row], first_slot + row
             level += 1
+        if cost is not None:
+            total = cost.tree_size(candidates.scores)
         tree = rerank(candidates, root, total)
         return self._to_target_vocab(tree)
+
+    @staticmethod
+    def _continue(policy, level: int, candidates, frontier: torch.Tensor, best_child: torch.Tensor) -> bool:
+        frontier_scores = candidates.scores[frontier]
+        if isinstance(policy, CostAwarePolicy):
+            return policy.continue_after(level, frontier_scores, candidates.scores, best_child)
+        return policy.continue_after(level, frontier_scores)
 
     def _to_target_vocab(self, tree: DraftTree) -> DraftTree:
         if self.draft_ids is None:

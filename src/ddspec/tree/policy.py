@@ -93,4 +93,6 @@ def make_depth_policy(cfg: TreeConfig) -> DepthPolicy:
         return FixedDepth(StaticShape.from_paths(cfg.static_paths or DEFAULT_STATIC_PATHS).depth)
     if cfg.depth_policy == "ddd":
         return DynamicDepth(cfg.ddd_threshold, cfg.ddd_check_depths, cfg.max_depth)
+    if cfg.depth_policy == "cost":
+        raise ConfigError("the cost-aware policy needs measured costs: build it with ddspec.calibrate")
     return FixedDepth(cfg.depth)

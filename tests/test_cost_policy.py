@@ -1,0 +1,83 @@
+"""The cost-aware policy on synthetic cost curves (no model): it grows big trees when
+verification is flat (GPU-like), short chains when it is steep, and stops earlier when a
+draft level is dear."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ddspec.tree import expand_level, expand_root
+from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, flat_cost, linear_cost
+
+VOCAB = 50
+K = 10
+
+
+def synthetic_logprobs(rows: int) -> torch.Tensor:
+    """A confident draft: child probabilities 0.8, 0.1, 0.05, ... for every node."""
+    p = torch.full((VOCAB,), 0.05 / (VOCAB - 2))
+    p[0], p[1] = 0.8, 0.1
+    p = p / p.sum()
+    return torch.log(p).expand(rows, VOCAB).clone()
+
+
+def grow(policy: CostAwarePolicy) -> tuple[int, int]:
+    """Run the drafter's loop with synthetic draft outputs; return (levels, verified nodes)."""
+    candidates, frontier = expand_root(synthetic_logprobs(1)[0], K)
+    level = 1
+    best_child = candidates.scores[:1]
+    while policy.continue_after(level, candidates.scores[frontier], candidates.scores, best_child):
+        logprobs = synthetic_logprobs(frontier.numel())
+        best_child = logprobs.max(-1).values
+        candidates, frontier = expand_level(candidates, frontier, logprobs, K)
+        level += 1
+    return level, policy.tree_size(candidates.scores)
+
+
+def policy(verify: dict[int, float], level_ms: float = 1.0, max_depth: int = 11, max_tokens: int = 60):
+    cost = CostModel(verify_ms=verify, draft_root_ms=level_ms, draft_level_ms=level_ms, other_ms=1.0)
+    return CostAwarePolicy(cost, AcceptanceModel(), max_depth=max_depth, max_tokens=max_tokens)
+
+
+def test_flat_verification_grows_eagle2_sized_trees():
+    levels, size = grow(policy(flat_cost(20.0)))
+    assert levels >= 6 and size >= 40  # verification is free: draft deep and verify a lot
+
+
+def test_steep_verification_shrinks_to_a_short_chain():
+    levels, size = grow(policy(linear_cost(10.0, 10.0)))  # each extra token costs as much as the first
+    assert size <= 5
+    assert levels <= 5
+
+
+def test_costly_draft_level_stops_earlier():
+    cheap_levels, _ = grow(policy(flat_cost(20.0), level_ms=0.5))
+    dear_levels, _ = grow(policy(flat_cost(20.0), level_ms=15.0))
+    assert dear_levels < cheap_levels
+
+
+def test_size_is_the_argmax_of_the_rate():
+    p = policy(linear_cost(20.0, 1.0))
+    scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01]))
+    rates = p.rates(scores, levels=3)
+    n, best = p.best(scores, levels=3)
+    assert n == int(torch.argmax(rates)) + 1 and math.isclose(best, float(rates.max()))
+    assert 1 < n <= 8
+
+
+def test_acceptance_model_learns_from_verdicts():
+    model = AcceptanceModel(prior_weight=5.0)
+    scores = torch.full((200,), -0.1)  # the draft believes 90%
+    assert abs(float(model.prob(scores[:1])) - math.exp(-0.1)) < 1e-6
+    model.update(scores, torch.zeros(200, dtype=torch.bool))  # ... but nothing is ever accepted
+    assert float(model.prob(scores[:1])) < 0.05
+    other_bin = torch.tensor([-3.0])
+    assert abs(float(model.prob(other_bin)) - math.exp(-3.0)) < 1e-6  # other bins keep their prior
+
+
+def test_verify_interpolation():
+    cost = CostModel(verify_ms={1: 10.0, 4: 16.0, 16: 40.0}, draft_root_ms=0, draft_level_ms=0)
+    got = cost.verify(torch.tensor([1, 2, 4, 10, 16, 32]))
+    assert torch.allclose(got, torch.tensor([10.0, 12.0, 16.0, 28.0, 40.0, 72.0], dtype=torch.float64))
