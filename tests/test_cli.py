@@ -67,3 +67,8 @@ def test_chat_keeps_history_and_exits_on_eof(tiny_dirs):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("tokens/s") == 3
     assert "history cleared" in out.stderr
+
+
+def test_unknown_hub_id_fails_fast_with_a_message():
+    out = run_cli("generate", "hi", "--model", "ddspec-tests/no-such-model-anywhere")
+    assert out.returncode == 2 and "hub" in out.stderr and "Traceback" not in out.stderr
