@@ -39,6 +39,19 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
 
 
+def test_export_from_an_unfinished_run(tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    for stage in ("data", "fit"):
+        assert main(["train", stage, "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    shutil.rmtree(out / "head")  # as if training had been interrupted after a checkpoint
+    assert main(["train", "export", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    assert "exporting the checkpoint" in capsys.readouterr().err
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["ddspec"]["training"]["partial"] is True
+
+
 def test_data_from_another_target_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0

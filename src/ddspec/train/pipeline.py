@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import asdict
 import json
 import logging
@@ -142,18 +143,26 @@ def stage_eval(args, out: Path, target) -> None:
     from ddspec.train.evaluate import evaluate_head, first_turns
 
     log = StageLog(out, "eval")
-    head = load_head(out / "head", target.info)
+    if (out / "head" / "config.json").is_file():
+        head = load_head(out / "head", target.info)
+    else:
+        head, meta = _head_from_checkpoint(out, target)
+        log.info(f"training has not finished: evaluating the checkpoint at step {meta['training']['steps']}")
     if args.tiny:
         sets = {"tiny": TINY_PROMPTS[:4]}
         new_tokens = 24
     else:
         root = Path(args.prompts).resolve().parents[1] / "eval"
-        sets = {name: first_turns(root / f"{name}.jsonl", args.eval_limit) for name in EVAL_FILES}
+        names = [x.strip() for x in args.eval_sets.split(",") if x.strip()]
+        unknown = sorted(set(names) - set(EVAL_FILES))
+        if unknown or not names:
+            raise DdspecError(f"--eval-sets: unknown {unknown}; choose from {', '.join(EVAL_FILES)}")
+        sets = {name: first_turns(root / f"{name}.jsonl", args.eval_limit) for name in names}
         new_tokens = args.eval_new_tokens
     results = {}
     variants = {"head": head}
-    if hasattr(head, "d2t"):  # measure the reduced vocabulary against the same head without it
-        full = load_head(out / "head", target.info)
+    if hasattr(head, "d2t") and args.eval_full_vocab:  # the same head drafting over the whole vocabulary
+        full = copy.deepcopy(head)
         del full.d2t
         variants["head_full_vocab"] = full
     total = sum(len(p) for p in sets.values()) * len(variants)
@@ -169,14 +178,37 @@ def stage_eval(args, out: Path, target) -> None:
     log.finish()
 
 
+def _head_from_checkpoint(out: Path, target):
+    """The head in train_state.pt (a run stopped before the end), with its progress as metadata."""
+    from ddspec.draft.checkpoint import random_head
+
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    weights = state["head"]
+    head = random_head(target.hf_config)
+    if "d2t" in weights:
+        head.register_buffer("d2t", torch.zeros_like(weights["d2t"]))
+    head.load_state_dict(weights)
+    last = state["history"][-50:]
+    summary = {k: sum(h[k] for h in last) / max(1, len(last)) for k in ("loss", "v_loss", "p_loss", "acc")}
+    meta = {"training": {"steps": state["step"], "settings": state["settings"], "train_wall_s": state["wall_s"],
+                         "partial": True, **summary}}
+    return head.eval().requires_grad_(False), meta
+
+
 def stage_export(args, out: Path, target) -> None:
     from ddspec.draft.checkpoint import load_head, save_head
     from ddspec.train.model_card import write_model_card
 
     log = StageLog(out, "export")
     dest = Path(args.to) if args.to else out / "export"
-    head = load_head(out / "head", target.info)
-    meta = json.loads((out / "head" / "config.json").read_text()).get("ddspec", {})
+    if (out / "head" / "config.json").is_file():
+        head = load_head(out / "head", target.info)
+        meta = json.loads((out / "head" / "config.json").read_text()).get("ddspec", {})
+    elif (out / "train_state.pt").is_file():
+        head, meta = _head_from_checkpoint(out, target)
+        log.info(f"training has not finished: exporting the checkpoint at step {meta['training']['steps']}")
+    else:
+        raise DdspecError(f"nothing to export in {out}: run `ddspec train fit --out {out}` first")
     save_head(head.half(), dest, metadata=meta)
     write_model_card(dest, out, target)
     log.info(f"head written to {dest}")
