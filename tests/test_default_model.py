@@ -30,3 +30,20 @@ def test_default_model_prefill_logits_close(default_native, default_hf):
         outs.append(t.forward(ids, torch.arange(len(ids))))
     assert (outs[0].logits - outs[1].logits).abs().max() <= 1e-3
     assert default_native.info.eos_token_ids == (2,)
+
+
+def test_shipped_head_is_the_default_and_lossless(default_native):
+    from ddspec.methods import make_drafter, shipped_head
+
+    assert shipped_head(default_native.info.name) is not None
+    drafter = make_drafter("ddd", default_native, None)  # no --head: the shipped one
+    assert hasattr(drafter.head, "d2t") and drafter.head.d2t.numel() == 8192
+    stop = StopConfig(max_new_tokens=48)
+    accepted = 0
+    for text in ("Name three uses of copper.", "What is 17 times 3? Explain briefly."):
+        ids = chat_prompt_ids(default_native.tokenizer, [{"role": "user", "content": text}])
+        ref = Engine(default_native).generate(ids, stop)
+        res = Engine(default_native, drafter).generate(ids, stop)
+        assert res.token_ids == ref.token_ids
+        accepted += sum(s.accepted for s in res.stats.steps)
+    assert accepted > 10  # a trained head: it drafts tokens the target accepts

@@ -38,6 +38,8 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
         "| stage | wall time |",
         "|---|---|",
     ]
+    if "data" not in stages and manifest.get("wall_s"):  # an interrupted data stage: the shards' own times
+        lines.append(f"| data (generation of the shards kept) | {manifest['wall_s'] / 60:.1f} min |")
     for name, entry in stages.items():
         lines.append(f"| {name} | {entry.get('wall_s', 0) / 60:.1f} min |")
     lines += ["", "## Measured (greedy, EAGLE-2 tree: top_k 10, depth 6, total_tokens 60)", ""]
