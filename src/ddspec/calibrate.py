@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddspec.bench.report import cpu_name
 from ddspec.models.loading import cache_root
 from ddspec.tree.cost import CostModel
 
@@ -29,23 +29,13 @@ PREFIX = 256
 FORMAT = 1
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def cost_key(target, head, top_k: int) -> dict:
     head_sum = sum(float(p.detach().double().abs().sum()) for p in head.parameters())
     draft_vocab = head.d2t.numel() if hasattr(head, "d2t") else target.info.vocab_size
     return {
         "format": FORMAT, "target": target.info.name, "impl": type(target).__name__,
         "head": f"{head_sum:.6e}:{draft_vocab}", "device": str(target.device), "dtype": str(target.dtype),
-        "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": _cpu(), "top_k": top_k,
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "top_k": top_k,
     }
 
 
