@@ -313,3 +313,20 @@ def test_interrupted_cli_run_still_writes_the_summary(tiny_dirs, tiny_prompts, t
     assert len(read_records(out / "records.jsonl")) == 2  # turn 1 of prompt 1, both methods
     assert "Interrupted run" in (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["interrupted"].startswith("stopped by the user")
+
+
+def test_methods_may_carry_their_own_tree_sizes():
+    from ddspec.config import TreeConfig
+    from ddspec.methods import method_label, split_method, tree_config
+
+    assert parse_methods("vanilla,eagle2@d3k4n8,ddd") == ["vanilla", "eagle2@d3k4n8", "ddd"]
+    assert split_method("eagle2@d3k4n8") == ("eagle2", {"depth": 3, "top_k": 4, "total_tokens": 8})
+    assert split_method("chain@d2") == ("chain", {"depth": 2})
+    cfg = tree_config("eagle2@k2n5", TreeConfig(depth=4))
+    assert (cfg.depth, cfg.top_k, cfg.total_tokens, cfg.shape) == (4, 2, 5, "dynamic")
+    assert method_label("eagle2", tree_config("eagle2@d3k4n8")) == "eagle2@d3k4n8"
+    for bad in ("eagle2@", "eagle2@x3", "eagle2@n8d3", "vanilla@d2", "hf@d2"):
+        with pytest.raises(DdspecError, match="bad method|unknown method"):
+            parse_methods(bad)
+    with pytest.raises(DdspecError, match="depth .* >= 1"):  # sizes are checked like the flags
+        parse_methods("eagle2@d0k2")

@@ -8,10 +8,16 @@
 | eagle2  | dynamic top-k tree, reranked (EAGLE-2) | fixed (``depth``)              |
 | ddd     | dynamic top-k tree, reranked           | Dynamic Depth Decoding checks  |
 | ddspec  | dynamic top-k tree, size by cost       | cost-aware (tree/cost.py)      |
+
+A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_tokens>``
+(any subset, in that order): ``eagle2@d3k4n8`` is a fixed-depth EAGLE-2 tree of depth 3,
+top_k 4 and 8 verified tokens, which is how ``ddspec tune`` names its best static setting and
+how ``ddspec bench`` runs it next to the others.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,13 +32,35 @@ HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
 
 
-def tree_config(method: str, base: TreeConfig = TreeConfig()) -> TreeConfig | None:
-    """The TreeConfig of a method (None for vanilla), keeping the sizes set in ``base``."""
+_SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?")
+
+
+def split_method(spec: str) -> tuple[str, dict[str, int]]:
+    """``'eagle2@d3k4n8'`` -> ``('eagle2', {'depth': 3, 'top_k': 4, 'total_tokens': 8})``; ``'ddd'`` -> ``('ddd', {})``."""
+    method, _, sizes = spec.partition("@")
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    if not _:
+        return method, {}
+    m = _SIZED.fullmatch(sizes)
+    if method == "vanilla" or not sizes or m is None:
+        raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>, "
+                          "any of the three in that order, e.g. eagle2@d3k4n8")
+    return method, {k: int(v) for k, v in m.groupdict().items() if v is not None}
+
+
+def method_label(method: str, cfg: TreeConfig) -> str:
+    """The ``METHOD@dXkYnZ`` name of a method with the sizes of ``cfg``."""
+    return f"{method}@d{cfg.depth}k{cfg.top_k}n{cfg.total_tokens}"
+
+
+def tree_config(method: str, base: TreeConfig = TreeConfig()) -> TreeConfig | None:
+    """The TreeConfig of a method (None for vanilla), keeping the sizes set in ``base``
+    unless the name carries its own (``eagle2@d3k4n8``)."""
+    method, sizes = split_method(method)
     if method == "vanilla":
         return None
-    return replace(base, shape=SHAPES[method], depth_policy=POLICIES.get(method, "fixed"))
+    return replace(base, shape=SHAPES[method], depth_policy=POLICIES.get(method, "fixed"), **sizes)
 
 
 def shipped_head(target_name: str) -> Path | None:

@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "tune.md").write_text("\n".join(lines) + "\n")
     best = rows[0]
     print("\n".join(lines[:8]))
-    print(f"best: --depth {best['setting'][0]} --tree-top-k {best['setting'][1]} --total-tokens {best['setting'][2]} "
-          f"({best['speedup']:.2f}x)")
+    d, k, n = best["setting"]
+    print(f"best: --depth {d} --tree-top-k {k} --total-tokens {n} ({best['speedup']:.2f}x); "
+          f"in ddspec bench: --methods vanilla,eagle2@d{d}k{k}n{n},...")
     return 0

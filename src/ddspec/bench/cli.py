@@ -38,7 +38,9 @@ def add_parser(sub) -> None:
                    help="a JSONL prompt file (question_id or id, category, turns); repeatable. "
                         "Default: a small built-in set (3 prompts per category)")
     g.add_argument("--methods", default=",".join(method_names()),
-                   help="comma-separated methods to compare (default: all, %(default)s)")
+                   help="comma-separated methods to compare (default: all, %(default)s). A tree method may "
+                        "carry its own sizes, e.g. eagle2@d3k4n8 (depth 3, top_k 4, 8 tokens): the "
+                        "form `ddspec tune` prints for its best static setting")
     g.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts of each file")
     g.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed runs of each generation; the median wall time is reported (default 1)")

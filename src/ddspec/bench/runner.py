@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 from ddspec.bench.prompts import Prompt
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import DdspecError
-from ddspec.methods import METHODS
+from ddspec.methods import METHODS, tree_config
 from ddspec.prompts import chat_prompt_ids
 
 if TYPE_CHECKING:  # torch and the engine load when a run starts, not when the CLI parser is built
@@ -60,10 +60,14 @@ def method_names() -> tuple[str, ...]:
 def parse_methods(text: str) -> list[str]:
     names = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     valid = method_names()
-    unknown = [m for m in names if m not in valid]
+    unknown = [m for m in names if m.partition("@")[0] not in valid]
     if unknown:
         raise DdspecError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in --methods: "
-                          f"valid methods are {', '.join(valid)}")
+                          f"valid methods are {', '.join(valid)} (a tree method may carry its own sizes, "
+                          "e.g. eagle2@d3k4n8)")
+    for m in names:
+        if "@" in m:
+            tree_config(m)  # a bad size spec fails here, before any model loads
     if not names:
         raise DdspecError(f"--methods is empty: give a comma-separated list of {', '.join(valid)}")
     return names
