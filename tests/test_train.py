@@ -52,6 +52,30 @@ def test_export_from_an_unfinished_run(tmp_path, capsys):
     assert cfg["ddspec"]["training"]["partial"] is True
 
 
+def test_warm_start_from_an_earlier_head(tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    for stage in ("data", "fit"):
+        assert main(["train", stage, "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    cold = torch.load(out / "train_state.pt", weights_only=False)["history"]
+    shutil.move(out / "head", tmp_path / "round1")
+    (out / "train_state.pt").unlink()
+    capsys.readouterr()
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1",
+                 "--init-from", str(tmp_path / "round1")]) == 0
+    assert "warm start from" in capsys.readouterr().err
+    warm = torch.load(out / "train_state.pt", weights_only=False)["history"]
+    # the warm run starts where the cold one ended, not where it began
+    assert warm[0]["loss"] < cold[0]["loss"]
+    mean = lambda h, k: sum(x[k] for x in h) / len(h)  # noqa: E731
+    assert mean(warm, "loss") < mean(cold, "loss") and mean(warm, "acc") > mean(cold, "acc")
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["ddspec"]["training"]["init_from"] == str(tmp_path / "round1")
+    assert main(["train", "fit", "--tiny", "--out", str(tmp_path / "other"), "--threads", "1",
+                 "--init-from", str(tmp_path / "missing")]) == 2
+
+
 def test_data_from_another_target_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0

@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="train and ship a reduced draft vocabulary of this many tokens (0 = full)")
     g.add_argument("--checkpoint-every", type=int, default=200)
+    g.add_argument("--init-from", default=None, metavar="HEAD",
+                   help="start from the weights of an earlier head (a folder in the EAGLE layout) instead of "
+                        "random ones: a warm start when more data arrives. The draft vocabulary is still "
+                        "chosen from this run's data")
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)

@@ -92,11 +92,17 @@ def stage_data(args, out: Path, target) -> None:
     log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
 
 
-def _new_head(target, sequences, draft_vocab: int):
-    from ddspec.draft.checkpoint import random_head
+def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None):
+    from ddspec.draft.checkpoint import load_head, random_head
     from ddspec.train.trainer import draft_vocabulary
 
     head = random_head(target.hf_config, seed=0)
+    if init_from:  # the layer weights of an earlier head; its draft vocabulary is not carried over
+        weights = {k: v.float() for k, v in load_head(init_from, target.info).state_dict().items() if k != "d2t"}
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        if unexpected or set(missing) - {"d2t"}:
+            raise DdspecError(f"--init-from {init_from}: that head does not fit this target's head "
+                              f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
     if draft_vocab:
         ids = draft_vocabulary(sequences, draft_vocab, target.info.vocab_size)
         head.register_buffer("d2t", ids - torch.arange(ids.numel()))
@@ -122,10 +128,13 @@ def stage_fit(args, out: Path, target) -> None:
         draft_vocab=args.draft_vocab if not args.tiny else 0, checkpoint_every=args.checkpoint_every,
         warmup_steps=100 if not args.tiny else 5,
     )
-    head = _new_head(target, sequences, settings.draft_vocab)
+    init_from = getattr(args, "init_from", None)
+    head = _new_head(target, sequences, settings.draft_vocab, init_from)
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
+    elif init_from:
+        log.info(f"warm start from the weights of {init_from}")
     log.info(f"{len(sequences)} sequences, {len(trainer.batches)} batches per epoch, {trainer.total_steps} steps; "
              f"settings {settings}")
     with tqdm(total=trainer.total_steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr,
@@ -134,7 +143,8 @@ def stage_fit(args, out: Path, target) -> None:
     last = trainer.history[-50:]
     summary = {k: sum(h[k] for h in last) / max(1, len(last)) for k in ("loss", "v_loss", "p_loss", "acc")}
     log.info(f"final (mean of last {len(last)} steps): {summary}")
-    save_head(head, out / "head", metadata={"training": {"steps": trainer.step, "settings": asdict(settings), "train_wall_s": trainer.wall_s, **summary}})
+    save_head(head, out / "head", metadata={"training": {"steps": trainer.step, "settings": asdict(settings), "train_wall_s": trainer.wall_s,
+                                                   **({"init_from": str(init_from)} if init_from else {}), **summary}})
     log.finish(steps=trainer.step, train_wall_s=trainer.wall_s, **summary)
 
 
