@@ -61,6 +61,9 @@ def test_tau_histogram_and_step_means():
     assert report.tau_histogram(records) == {1: 1, 2: 1, 3: 2}
     assert report.per_step_means(records) == {"tree_size": 5.0, "draft_ms": 2.0, "verify_ms": 8.0}
     assert report.tau([rec("hf")]) is None
+    # accepted 0, 2, 2, 1: depth 1 reached by 3 of 4 steps, depth 2 by 2 of those 3
+    assert report.depth_acceptance(records) == pytest.approx([3 / 4, 2 / 3])
+    assert report.depth_acceptance([rec("hf")]) == []
     split = report.time_split([rec("eagle2", tokens=10, wall=0.1, accept=[1, 3, 3])])
     assert split["draft"] == pytest.approx(0.6) and split["verify"] == pytest.approx(2.4)
     assert split["other"] == pytest.approx(10.0 - 3.0)

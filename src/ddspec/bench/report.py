@@ -75,6 +75,17 @@ def tau_histogram(records: list[Record]) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
+def depth_acceptance(records: list[Record]) -> list[float]:
+    """P(accepted >= d | accepted >= d - 1) for d = 1, 2, ... over every step (accepted = τ-length - 1)."""
+    accepted = [a - 1 for r in records for a in r["accept_lengths"]]
+    rates, prev = [], len(accepted)
+    for d in range(1, max(accepted, default=0) + 1):
+        cur = sum(a >= d for a in accepted)
+        rates.append(cur / prev)
+        prev = cur
+    return rates
+
+
 def per_step_means(records: list[Record]) -> dict[str, float | None]:
     """Tree size and draft / verify ms per decoding step, weighted by each record's steps."""
     stepped = [r for r in records if r.get("decoding_steps")]
@@ -122,6 +133,7 @@ def method_metrics(records: list[Record], baseline: list[Record] | None, greedy:
         "speedup": speedup(records, baseline) if baseline else None,
         "tau": tau(records),
         "tau_histogram": tau_histogram(records),
+        "depth_acceptance": depth_acceptance(records),
         **per_step_means(records),
         "time_split_ms_per_token": time_split(records),
         "lossless": None,
@@ -156,6 +168,7 @@ def summarize(records: list[Record], greedy: bool, baseline: str = BASELINE) -> 
         "overall": group_metrics(records, greedy, baseline),
         "by_source": split("source"),
         "by_category": split("category"),
+        "by_turn": split("turn"),
     }
 
 
@@ -221,6 +234,18 @@ def render_markdown(summary: dict, meta: dict, interrupted: str | None = None) -
     if len(summary["by_source"]) > 1:
         for name, group in summary["by_source"].items():
             out += [f"## {name}", "", render_table(group, baseline, greedy), ""]
+    depth_rows = [(m, row["depth_acceptance"]) for m, row in summary["overall"].items() if row["depth_acceptance"]]
+    if depth_rows:
+        width = max(len(r) for _, r in depth_rows)
+        out += ["## Acceptance by depth", "", "P(accepted >= d | accepted >= d-1), over every decoding step:", "",
+                "| method | " + " | ".join(f"d={d}" for d in range(1, width + 1)) + " |",
+                "|---|" + "---|" * width]
+        out += [f"| {m} | " + " | ".join([f"{x:.2f}" for x in r] + ["—"] * (width - len(r))) + " |"
+                for m, r in depth_rows]
+        out += [""]
+    if len(summary.get("by_turn", {})) > 1:
+        for name, group in summary["by_turn"].items():
+            out += [f"## Turn {name}", "", render_table(group, baseline, greedy), ""]
     if summary["by_category"]:
         out += ["## By category", "", "Speedup:", "", render_matrix(summary["by_category"], "speedup", ".2f", "x"),
                 "", "τ:", "", render_matrix(summary["by_category"], "tau", ".2f"), ""]
