@@ -4,7 +4,9 @@ The strongest rival of any depth heuristic is a grid search (DESIGN.md §2.3: an
 reproduction found a tuned static depth and size as fast as DDD). For every (depth, top_k,
 total_tokens) in the grid it decodes the tuning prompts greedily with a fixed-depth EAGLE-2
 tree, and reports tokens/s (total tokens / total time), τ and the speedup over plain decoding
-measured in the same run. Tune on prompts *other* than those you benchmark on.
+measured in the same run (plain decoding is re-measured every ``--vanilla-every`` settings, and
+each setting is compared with the latest measurement). Tune on prompts *other* than those you
+benchmark on.
 
 Results go to OUT/tune.jsonl (one line per setting, so an interrupted run resumes) and
 OUT/tune.md (sorted table, best first).
@@ -46,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-ks", type=_ints, default=(1, 2, 4, 8), help="comma-separated (default 1,2,4,8)")
     p.add_argument("--sizes", type=_ints, default=(4, 8, 16, 32),
                    help="total_tokens values, comma-separated (default 4,8,16,32)")
+    p.add_argument("--vanilla-every", type=int, default=4, metavar="K",
+                   help="re-measure plain decoding before every K-th setting (default 4; 1 = next to each)")
     p.add_argument("--out", required=True, help="results folder (resumes when it exists)")
     add_model_args(p)
     add_tree_args(p)
@@ -106,14 +110,16 @@ def run(args: argparse.Namespace) -> int:
         return tokens, wall, steps
 
     Engine(target).generate(ids[0], StopConfig(max_new_tokens=8))  # warm-up
-    with tqdm(total=len(settings), desc="tuning", unit="setting", file=sys.stderr, disable=None) as bar:
-        for setting in settings:
-            if setting in done:
-                bar.update(1)
-                continue
+    if args.vanilla_every < 1:
+        raise DdspecError(f"--vanilla-every must be >= 1, got {args.vanilla_every}")
+    todo = [s for s in settings if s not in done]
+    with tqdm(total=len(settings), initial=len(settings) - len(todo), desc="tuning", unit="setting",
+              file=sys.stderr, disable=None) as bar:
+        for i, setting in enumerate(todo):
             d, k, n = setting
             cfg = replace(tree_config("eagle2", base), depth=d, top_k=k, total_tokens=n)
-            v_tokens, v_wall, _ = timed(Engine(target))  # plain decoding, measured next to each setting
+            if i % args.vanilla_every == 0:  # plain decoding, re-measured as the run goes
+                v_tokens, v_wall, _ = timed(Engine(target))
             tokens, wall, steps = timed(Engine(target, EagleDrafter(head, target, cfg)))
             row = {"setting": [d, k, n], "tokens_per_s": tokens / wall, "vanilla_tokens_per_s": v_tokens / v_wall,
                    "speedup": (tokens / wall) / (v_tokens / v_wall),
