@@ -31,6 +31,8 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
         f"- steps: {meta.get('steps', '?')}; final loss {meta.get('loss', float('nan')):.3f}, "
         f"top-1 draft accuracy {meta.get('acc', float('nan')):.3f} (mean of the last 50 steps)",
         f"- settings: {meta.get('settings', '?')}",
+        *([f"- warm start: from the weights of `{meta['init_from']}` (an earlier head), not from random ones"]
+          if meta.get("init_from") else []),
         f"- head size on disk: {size_mb:.1f} MB",
         "",
         "## Wall time per stage (this machine)",
