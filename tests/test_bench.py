@@ -333,3 +333,12 @@ def test_methods_may_carry_their_own_tree_sizes():
             parse_methods(bad)
     with pytest.raises(DdspecError, match="depth .* >= 1"):  # sizes are checked like the flags
         parse_methods("eagle2@d0k2")
+
+
+def test_max_turns_keeps_the_first_turns(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": 1, "category": "c", "turns": ["a", "b"]},
+                                              {"id": 2, "category": "c", "turns": ["x"]}])
+    assert [p.turns for p in load_prompts([path], max_turns=1)] == [("a",), ("x",)]
+    assert [p.turns for p in load_prompts([path])] == [("a", "b"), ("x",)]
+    with pytest.raises(DdspecError, match="--max-turns"):
+        load_prompts([path], max_turns=0)

@@ -42,6 +42,8 @@ def add_parser(sub) -> None:
                         "carry its own sizes, e.g. eagle2@d3k4n8 (depth 3, top_k 4, 8 tokens): the "
                         "form `ddspec tune` prints for its best static setting")
     g.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts of each file")
+    g.add_argument("--max-turns", type=int, default=None, metavar="T",
+                   help="answer only the first T turns of multi-turn prompts (default: all turns)")
     g.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed runs of each generation; the median wall time is reported (default 1)")
     g.add_argument("--out", default=None, metavar="DIR",
@@ -76,7 +78,7 @@ def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace) -> s
 
 def run_settings(args: argparse.Namespace) -> dict:
     """Settings that must not change when a run is resumed (they change outputs or timings)."""
-    keys = ("model", "impl", "device", "dtype", "threads", "head", "max_new_tokens", "temperature", "top_p",
+    keys = ("model", "impl", "device", "dtype", "threads", "head", "max_new_tokens", "max_turns", "temperature", "top_p",
             "sample_top_k", "seed", "tree_top_k", "depth", "total_tokens", "ddd_threshold", "max_depth")
     settings = {k: getattr(args, k) for k in keys}
     settings["ddd_check_depths"] = list(args.ddd_check_depths)
@@ -121,6 +123,7 @@ def _meta(args, parser, methods: list[str], target) -> dict:
         "methods": ", ".join(methods),
         "prompts": ", ".join(args.prompts) if args.prompts else "built-in set (ddspec.bench.prompts)",
         "limit per file": args.limit if args.limit is not None else "none",
+        "turns": f"the first {args.max_turns} of each prompt" if args.max_turns else "all",
         "max new tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "decoding": decoding,
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     sampling = sampling_from_args(args)
     StopConfig(max_new_tokens=args.max_new_tokens)
     tree = tree_from_args(args)
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, args.max_turns)
     out = Path(args.out or f"{DEFAULT_OUT}/{datetime.now():%Y%m%d-%H%M%S}")
     args.out = str(out)  # shown in the summary's command line
     settings = run_settings(args)

@@ -15,7 +15,7 @@ category, some with a second turn, so that a run with no arguments exercises mul
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddspec.errors import DdspecError
@@ -131,8 +131,18 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> list[Prompt]
     return prompts
 
 
-def load_prompts(paths: list[str] | None, limit: int | None = None) -> list[Prompt]:
-    """Prompts of every file in order (``limit`` per file), or the built-in set when none is given."""
+def load_prompts(paths: list[str] | None, limit: int | None = None, max_turns: int | None = None) -> list[Prompt]:
+    """Prompts of every file in order (``limit`` per file), or the built-in set when none is given;
+    ``max_turns`` keeps the first turns of multi-turn prompts only."""
+    prompts = _load_prompts(paths, limit)
+    if max_turns is not None:
+        if max_turns < 1:
+            raise DdspecError(f"--max-turns must be >= 1, got {max_turns}")
+        prompts = [replace(p, turns=p.turns[:max_turns]) for p in prompts]
+    return prompts
+
+
+def _load_prompts(paths: list[str] | None, limit: int | None) -> list[Prompt]:
     if not paths:
         return builtin_prompts()[:limit]
     stems: dict[str, str] = {}

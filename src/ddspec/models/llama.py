@@ -4,8 +4,11 @@ Why this exists: through HF transformers one SmolLM2 token costs ~3x the memory 
 CPU, mostly per-layer Python and op overhead (DESIGN.md §6). Here each decoder layer is four
 matmuls on fused, pre-transposed weights (qkv, o, gate+up, down), one RoPE over q and k
 together, one SDPA call, and a static KV cache written by slot. Pre-transposed ``x @ W^T``
-through ``torch.mm`` measured fastest or equal-fastest at 1-64 rows on this CPU (see
-``scripts/matmul_paths.py``), so weights are stored as ``[in, out]``.
+through ``torch.mm`` measured fastest at 1 row and at 4-64 rows on this CPU, so weights are
+stored as ``[in, out]``. At 2-3 rows, the sizes a small speculative tree verifies, MKL's
+``F.linear`` on ``[out, in]`` weights is 15-20% faster (30 layers' matmuls, 2 threads, median of
+15 interleaved runs: 2 rows 18.3 vs 21.7 ms, 3 rows 19.0 vs 23.7 ms; 1 row 17.7 vs 14.9 ms), so
+small models on a CPU also keep an ``[out, in]`` copy (``small_rows_layout``) and use it there.
 """
 
 from __future__ import annotations
@@ -79,10 +82,20 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     return scaled.float()
 
 
-class LlamaLayer:
-    """One decoder layer's weights, fused and pre-transposed: [in, out]."""
+SMALL_ROWS = (2, 3)  # row counts that use the [out, in] copy, when there is one
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch) -> None:
+
+def project(x: torch.Tensor, w_io: torch.Tensor, w_oi: torch.Tensor | None) -> torch.Tensor:
+    """x @ W for W stored [in, out]; through the [out, in] copy at 2-3 rows when it exists."""
+    if w_oi is not None and x.numel() // x.shape[-1] in SMALL_ROWS:
+        return F.linear(x, w_oi)
+    return torch.matmul(x, w_io)
+
+
+class LlamaLayer:
+    """One decoder layer's weights, fused and pre-transposed: [in, out] (+ [out, in] copies)."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, small_rows: bool = False) -> None:
         attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
@@ -93,6 +106,9 @@ class LlamaLayer:
         self.o = w[f"{attn}o_proj.weight"].t().contiguous()
         self.gate_up = torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]).t().contiguous()
         self.down = w[f"{mlp}down_proj.weight"].t().contiguous()
+        copy = (lambda t: t.t().contiguous()) if small_rows else (lambda t: None)
+        self.qkv_oi, self.o_oi, self.gate_up_oi, self.down_oi = (copy(t) for t in (self.qkv, self.o, self.gate_up,
+                                                                                    self.down))
 
     def tensors(self) -> list[torch.Tensor]:
         ts = [self.post_norm, self.qkv, self.o, self.gate_up, self.down]
@@ -153,14 +169,14 @@ def layer_forward(
 ) -> torch.Tensor:
     nq, nkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, arch.rms_eps)
-    qkv = torch.matmul(h, layer.qkv)  # [B, N, nq + 2 nkv]
+    qkv = project(h, layer.qkv, layer.qkv_oi)  # [B, N, nq + 2 nkv]
     if layer.qkv_bias is not None:
         qkv = qkv + layer.qkv_bias
     q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-    x = x + torch.matmul(attention(q, k, v, arch, rotary, positions, attend, mask), layer.o)
+    x = x + project(attention(q, k, v, arch, rotary, positions, attend, mask), layer.o, layer.o_oi)
     h = rms_norm(x, layer.post_norm, arch.rms_eps)
-    gate, up = torch.matmul(h, layer.gate_up).chunk(2, dim=-1)  # [B, N, I] each
-    return x + torch.matmul(F.silu(gate) * up, layer.down)
+    gate, up = project(h, layer.gate_up, layer.gate_up_oi).chunk(2, dim=-1)  # [B, N, I] each
+    return x + project(F.silu(gate) * up, layer.down, layer.down_oi)
 
 
 class NativeLlama:
@@ -174,7 +190,10 @@ class NativeLlama:
         tokenizer: object = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        small_rows_layout: bool | None = None,
     ) -> None:
+        """small_rows_layout: keep [out, in] copies of the layer weights for 2-3-row forwards
+        (see the module docstring); None = on a CPU when the copies take at most 1 GiB."""
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.hf_config = dict(hf_config)
         self.info, self.tokenizer = info, tokenizer
@@ -184,7 +203,12 @@ class NativeLlama:
         self.norm = w["norm.weight"]
         head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head_t = head.t().contiguous()  # [H, V]
-        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch) for i in range(self.arch.num_layers)]
+        if small_rows_layout is None:
+            layer_bytes = sum(v.numel() * v.element_size() for k, v in w.items() if k.startswith("layers."))
+            small_rows_layout = self.device.type == "cpu" and layer_bytes <= 2**30
+        self.lm_head_oi = head if small_rows_layout else None  # [V, H] (the embeddings when tied: no copy)
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, small_rows_layout)
+                       for i in range(self.arch.num_layers)]
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
 
@@ -212,7 +236,7 @@ class NativeLlama:
         return self.embed_tokens[tokens]
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(features, self.lm_head_t)
+        return project(features, self.lm_head_t, self.lm_head_oi)
 
     def lm_head_weight_t(self) -> torch.Tensor:
         """The lm_head as [H, V] (what drafters multiply by)."""
