@@ -129,3 +129,74 @@ def test_generated_features_match_a_full_forward(tiny_targets):
         ref = Engine(target).generate(p, StopConfig(max_new_tokens=12)).token_ids
         assert resp == ref  # batched, left-padded greedy == single-sequence greedy
         assert check_features_match(target, feats, torch.tensor(p + resp)) < 1e-4
+
+
+def test_ttt_mask_pattern():
+    from ddspec.train.trainer import ttt_mask
+
+    assert torch.equal(ttt_mask(4, 1), torch.ones(4, 4, dtype=torch.bool).tril())
+    m = ttt_mask(5, 3)  # pass 3 at index i: true entries before i - 1, pass-2 node i - 1, itself
+    assert m.shape == (5, 15)
+    assert m[3, :5].tolist() == [True, True, False, False, False]
+    assert m[3, 5:10].tolist() == [False, False, True, False, False]
+    assert m[3, 10:].tolist() == [False, False, False, True, False]
+    assert m.any(dim=1).all()  # no query row without a key
+
+
+def test_training_time_test_passes_reproduce_the_engines_draft_nodes():
+    """Pass k of the training-time test computes exactly what drafting computes at depth k - 1."""
+    from ddspec.draft.checkpoint import random_head
+    from ddspec.models.tiny import tiny_config
+    from ddspec.train.trainer import ttt_passes
+
+    head = random_head(tiny_config().to_dict(), seed=3, std=0.05).eval()
+    t, h = 12, head.hidden_size
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (t + 1,))
+    feats = torch.randn(t, h)
+    emb = torch.nn.Embedding(128, h)
+    with torch.no_grad():
+        p1, p2, p3 = ttt_passes(head, emb(tokens[1:]).unsqueeze(0), feats.unsqueeze(0), 3)
+        for c in (1, 4, 9):  # committed entries 0 .. c-1 hold (f_i, x_{i+1}); the root hidden is f̂_c
+            cache = head.new_cache(32)
+            causal = torch.ones(c, c, dtype=torch.bool).tril().view(1, 1, c, c)
+            committed = head(emb(tokens[1:c + 1]).unsqueeze(0), feats[:c].unsqueeze(0), torch.arange(c), causal, cache)[0]
+            assert torch.allclose(committed[-1], p1[0, c - 1], rtol=1e-3, atol=1e-3)
+            d1 = head(emb(tokens[c + 1]).view(1, 1, h), committed[-1].view(1, 1, h), torch.tensor([c]),
+                      torch.ones(1, 1, 1, c + 1, dtype=torch.bool), cache)[0, 0]
+            assert torch.allclose(d1, p2[0, c], rtol=1e-3, atol=1e-3)
+            d2 = head(emb(tokens[c + 2]).view(1, 1, h), d1.view(1, 1, h), torch.tensor([c + 1]),
+                      torch.ones(1, 1, 1, c + 2, dtype=torch.bool), cache)[0, 0]
+            assert torch.allclose(d2, p3[0, c + 1], rtol=1e-3, atol=1e-3)
+            assert not torch.allclose(d2, p1[0, c + 1], rtol=1e-2, atol=1e-2)  # teacher forcing differs
+
+
+def test_training_time_test_and_held_out_selection(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    args = ["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--ttt-passes", "2",
+            "--val-sequences", "4", "--eval-every", "5"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "best on 4 held-out sequences" in err
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    training = cfg["ddspec"]["training"]
+    assert {"acc", "acc2", "best_val"} <= set(training)
+    assert training["settings"]["ttt_passes"] == 2 and 0 <= training["best_val"]["val_acc2"] <= 1
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    # the head kept is the best held-out one (saved with the state, so a resumed run keeps it)
+    vals = [h for h in state["history"] if "val_acc" in h]
+    assert len(vals) >= 2 and state["best"]["score"] == max((h["val_acc"] + h["val_acc2"]) / 2 for h in vals)
+    from safetensors.torch import load_file
+
+    shipped = load_file(out / "head" / "model.safetensors")
+    assert all(torch.equal(shipped[k].float(), v.float()) for k, v in state["best"]["head"].items() if k in shipped)
+
+
+def test_bad_training_options_are_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--val-sequences", "100000"]) != 0
+    assert "--val-sequences 100000" in capsys.readouterr().err
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--ttt-passes", "0"]) != 0
+    assert "--ttt-passes" in capsys.readouterr().err

@@ -101,13 +101,16 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,  # [N] or [B, N] the positions t
         mask: torch.Tensor | None = None,  # [B or 1, 1, N, T] bool; None = causal (no cache) / all (cache)
         cache: StaticKVCache | None = None,  # written at slots [length, length + N) when given
+        attend=None,  # training-time test: (k, v) [B, nkv, N, D] -> the keys/values to attend over
     ) -> torch.Tensor:
         """Predicted features f̂_{t+1}: [B, N, H]."""
         a, layer = self.arch, self.layers[0]
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, N, H]
         attn = layer.self_attn
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        if cache is None:
+        if attend is not None:
+            pass  # the caller's keys and mask (see ddspec.train.trainer.ttt_passes)
+        elif cache is None:
             n = x.shape[1]
             if mask is None:
                 mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril_().view(1, 1, n, n)

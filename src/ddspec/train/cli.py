@@ -48,6 +48,18 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="train and ship a reduced draft vocabulary of this many tokens (0 = full)")
     g.add_argument("--checkpoint-every", type=int, default=200)
+    g.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up (default 100)")
+    g.add_argument("--noise", type=float, default=0.1,
+                   help="half-width of the uniform noise added to the input features (default 0.1)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    g.add_argument("--ttt-passes", type=int, default=1, metavar="K",
+                   help="training-time test: also train draft depths 2..K on the head's own predicted "
+                        "features, with the engine's attention pattern (about K times the compute; default 1 = "
+                        "plain EAGLE-1 teacher forcing)")
+    g.add_argument("--val-sequences", type=int, default=0, metavar="N",
+                   help="hold out the last N sequences (the newest shards), score them every --eval-every "
+                        "steps and keep the head that does best on them (default 0 = keep the last step)")
+    g.add_argument("--eval-every", type=int, default=50, help="steps between held-out scores (default 50)")
     g.add_argument("--init-from", default=None, metavar="HEAD",
                    help="start from the weights of an earlier head (a folder in the EAGLE layout) instead of "
                         "random ones: a warm start when more data arrives. The draft vocabulary is still "

@@ -112,7 +112,7 @@ def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None)
 def stage_fit(args, out: Path, target) -> None:
     from ddspec.draft.checkpoint import save_head
     from ddspec.train.generate import load_shards, target_fingerprint
-    from ddspec.train.trainer import HeadTrainer, TrainSettings
+    from ddspec.train.trainer import HeadTrainer, TrainSettings, split_validation
 
     log = StageLog(out, "fit")
     manifest_path = out / "data" / "manifest.json"
@@ -126,11 +126,18 @@ def stage_fit(args, out: Path, target) -> None:
     settings = TrainSettings(
         epochs=args.epochs if not args.tiny else 3.0, lr=args.lr, batch_tokens=args.batch_tokens if not args.tiny else 512,
         draft_vocab=args.draft_vocab if not args.tiny else 0, checkpoint_every=args.checkpoint_every,
-        warmup_steps=100 if not args.tiny else 5,
+        warmup_steps=args.warmup_steps if not args.tiny else 5, noise=args.noise, weight_decay=args.weight_decay,
+        ttt_passes=args.ttt_passes, val_sequences=args.val_sequences, eval_every=args.eval_every,
     )
+    if settings.ttt_passes < 1:
+        raise DdspecError(f"--ttt-passes must be at least 1 (1 = plain teacher forcing), got {settings.ttt_passes}")
+    if settings.val_sequences >= len(sequences):
+        raise DdspecError(f"--val-sequences {settings.val_sequences}: the data holds only {len(sequences)} sequences; "
+                          "hold out fewer (0 = none)")
+    sequences, val = split_validation(sequences, settings.val_sequences)
     init_from = getattr(args, "init_from", None)
     head = _new_head(target, sequences, settings.draft_vocab, init_from)
-    trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out)
+    trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
     elif init_from:
@@ -139,13 +146,24 @@ def stage_fit(args, out: Path, target) -> None:
              f"settings {settings}")
     with tqdm(total=trainer.total_steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr,
               disable=None) as bar:
-        trainer.train(progress=bar, log=lambda s: log.logger.info(json.dumps(s)) if s["step"] % 20 == 0 else None)
-    last = trainer.history[-50:]
-    summary = {k: sum(h[k] for h in last) / max(1, len(last)) for k in ("loss", "v_loss", "p_loss", "acc")}
-    log.info(f"final (mean of last {len(last)} steps): {summary}")
+        trainer.train(progress=bar, log=lambda s: log.logger.info(json.dumps(s))
+                      if s["step"] % 20 == 0 or "val_acc" in s else None)
+    summary = _training_summary(trainer.history)
+    log.info(f"final (mean of last 50 steps): {summary}")
+    if trainer.best is not None:
+        summary["best_val"] = {"step": trainer.best["step"], **trainer.best["val"]}
+        log.info(f"kept the head of step {trainer.best['step']}, best on {len(val)} held-out sequences: "
+                 f"{ {k: round(v, 4) for k, v in trainer.best['val'].items()} }")
     save_head(head, out / "head", metadata={"training": {"steps": trainer.step, "settings": asdict(settings), "train_wall_s": trainer.wall_s,
                                                    **({"init_from": str(init_from)} if init_from else {}), **summary}})
     log.finish(steps=trainer.step, train_wall_s=trainer.wall_s, **summary)
+
+
+def _training_summary(history: list[dict]) -> dict:
+    """Means of the last 50 steps' losses and accuracies (every pass of the training-time test)."""
+    last = [h for h in history if "loss" in h][-50:]
+    keys = [k for k in (last[-1] if last else {}) if k == "loss" or k.startswith(("v_loss", "p_loss", "acc"))]
+    return {k: sum(h[k] for h in last) / len(last) for k in keys}
 
 
 def stage_eval(args, out: Path, target) -> None:
@@ -198,10 +216,8 @@ def _head_from_checkpoint(out: Path, target):
     if "d2t" in weights:
         head.register_buffer("d2t", torch.zeros_like(weights["d2t"]))
     head.load_state_dict(weights)
-    last = state["history"][-50:]
-    summary = {k: sum(h[k] for h in last) / max(1, len(last)) for k in ("loss", "v_loss", "p_loss", "acc")}
     meta = {"training": {"steps": state["step"], "settings": state["settings"], "train_wall_s": state["wall_s"],
-                         "partial": True, **summary}}
+                         "partial": True, **_training_summary(state["history"])}}
     return head.eval().requires_grad_(False), meta
 
 

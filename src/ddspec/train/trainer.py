@@ -9,6 +9,17 @@ recipe), which is ~3x cheaper per token on a CPU, and the head ships with that `
 Checkpoints (``train_state.pt``: head, optimiser, step, RNG) are written every
 ``checkpoint_every`` steps and at the end; a restart with the same arguments resumes from the
 last one, never silently from scratch.
+
+Training-time test (``ttt_passes`` > 1, as in HASS / EAGLE-3): at draft depth 2 and deeper the
+engine feeds the head its *own* predicted features, which plain teacher forcing never shows it.
+Pass k >= 2 re-runs the head on the features predicted by pass k - 1, with an attention mask
+that reproduces the engine's exactly: the node sees the true-feature entries committed before
+its chain and its own drafted ancestors (:func:`ttt_mask`). Pass k's loss is weighted
+``ttt_decay ** (k - 1)``.
+
+Held-out sequences (``val_sequences``, the last ones of the data, i.e. the newest shards, which
+a warm start from an earlier round has never seen) are scored every ``eval_every`` steps without
+noise; the head kept at the end is the one with the best held-out accuracy.
 """
 
 from __future__ import annotations
@@ -39,6 +50,35 @@ class TrainSettings:
     draft_vocab: int = 0  # 0 = full vocabulary; else the most frequent response tokens
     checkpoint_every: int = 200
     seed: int = 0
+    ttt_passes: int = 1  # 1 = the EAGLE-1 objective; k > 1 also trains draft depths 2..k on own predictions
+    ttt_decay: float = 0.8  # loss weight of pass k is ttt_decay ** (k - 1)
+    val_sequences: int = 0  # held-out sequences (the last ones) scored every eval_every steps
+    eval_every: int = 50
+
+
+def split_validation(sequences: list[dict], n: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): the last ``n`` sequences are held out (the newest shards)."""
+    if n <= 0:
+        return sequences, []
+    if n >= len(sequences):
+        raise ValueError(f"cannot hold out {n} of {len(sequences)} sequences for validation")
+    return sequences[:-n], sequences[-n:]
+
+
+def ttt_mask(t: int, k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which keys pass ``k`` (1-based) attends to, over the keys of passes 1..k: [t, k * t] bool.
+
+    Pass 1 is causal. In pass k >= 2 the entry at index i (position i) is the depth-(k-1) draft
+    node of the chain whose first drafted node sits at c = i - (k - 2): it sees the true-feature
+    (pass 1) entries before c and, of each pass j in 2..k, the chain's node at i - (k - j)
+    (its ancestors, and itself for j = k).
+    """
+    i = torch.arange(t, device=device)
+    if k == 1:
+        return i.view(1, t) <= i.view(t, 1)
+    blocks = [i.view(1, t) < (i - (k - 2)).view(t, 1)]
+    blocks += [i.view(1, t) == (i - (k - j)).view(t, 1) for j in range(2, k + 1)]
+    return torch.cat(blocks, dim=1)
 
 
 def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -48,6 +88,26 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
         ids = s["input_ids"][s["prompt_len"]:].long()
         counts += torch.bincount(ids, minlength=vocab_size)
     return torch.sort(torch.topk(counts, size).indices).values
+
+
+def ttt_passes(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, n_passes: int) -> list[torch.Tensor]:
+    """Predicted features of passes 1..n_passes, each [B, T, H] (pass k+1 reads pass k's output)."""
+    t = embeds.shape[1]
+    positions = torch.arange(t, device=embeds.device)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def attend(k_, v_):
+        keys.append(k_)
+        values.append(v_)
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    outs, inp = [], features
+    for k in range(1, n_passes + 1):
+        out = head(embeds, inp, positions, ttt_mask(t, k, embeds.device).view(1, 1, t, k * t), attend=attend)
+        outs.append(out)
+        inp = F.pad(out[:, :-1], (0, 0, 1, 0))  # pass k + 1 at index i reads pass k's output at i - 1
+    return outs
 
 
 def make_batches(sequences: list[dict], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
@@ -95,9 +155,10 @@ def collate(sequences: list[dict], idx: list[int], max_len: int):
 
 class HeadTrainer:
     def __init__(self, head: EagleHead, embed_weight: torch.Tensor, lm_head_t: torch.Tensor,
-                 sequences: list[dict], settings: TrainSettings, out_dir: Path) -> None:
+                 sequences: list[dict], settings: TrainSettings, out_dir: Path, val: list[dict] | None = None) -> None:
         self.head, self.settings, self.out_dir = head, settings, out_dir
-        self.sequences = sequences
+        self.sequences, self.val = sequences, val or []
+        self.best: dict | None = None  # {"step", "score", "val", "head"}: the best held-out head so far
         self.embed_weight = embed_weight  # [V, H] frozen
         ids = head.draft_token_ids
         self.lm_head_t = lm_head_t if ids is None else lm_head_t[:, ids].contiguous()  # [H, Vd] frozen
@@ -125,7 +186,7 @@ class HeadTrainer:
         tmp = self.state_path().with_suffix(".tmp")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                     "wall_s": self.wall_s, "history": self.history, "settings": asdict(self.settings),
-                    "torch_rng": torch.get_rng_state()}, tmp)
+                    "torch_rng": torch.get_rng_state(), "best": self.best}, tmp)
         tmp.replace(self.state_path())
 
     def try_resume(self) -> bool:
@@ -135,29 +196,69 @@ class HeadTrainer:
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.wall_s, self.history = state["step"], state["wall_s"], state["history"]
+        self.best = state.get("best")
         torch.set_rng_state(state["torch_rng"])
         return True
 
     # -- one step --------------------------------------------------------------------------
-    def loss(self, batch: list[int]) -> tuple[torch.Tensor, dict]:
+    def loss(self, batch: list[int], sequences: list[dict] | None = None, noise: bool = True,
+             n_passes: int | None = None) -> tuple[torch.Tensor, dict]:
         s = self.settings
-        tokens_next, feats_in, feats_target, mask = collate(self.sequences, batch, s.max_seq_len)
-        b, t, _ = feats_in.shape
-        noisy = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
-        pred = self.head(F.embedding(tokens_next, self.embed_weight), noisy, torch.arange(t))  # [B, T, H]
-        pred, target = pred[mask], feats_target[mask]  # [M, H]
-        v_loss = F.smooth_l1_loss(pred, target)
+        tokens_next, feats_in, feats_target, mask = collate(sequences or self.sequences, batch, s.max_seq_len)
+        t = feats_in.shape[1]
+        if noise:
+            feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
+        preds = ttt_passes(self.head, F.embedding(tokens_next, self.embed_weight), feats_in, n_passes or s.ttt_passes)  # k x [B, T, H]
+        target = feats_target[mask]  # [M, H]
         with torch.no_grad():
             p = torch.softmax(target @ self.lm_head_t, dim=-1)  # [M, Vd]
-        log_q = torch.log_softmax(pred @ self.lm_head_t, dim=-1)
-        p_loss = -(p * log_q).sum(-1).mean()
-        acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
-        return v_loss + s.p_weight * p_loss, {"v_loss": float(v_loss.detach()), "p_loss": float(p_loss.detach()),
-                                               "acc": float(acc), "tokens": int(mask.sum())}
+            want = p.argmax(-1)
+        index = torch.arange(t).expand_as(mask)[mask]  # [M] the step index of each counted row
+        total, weights, stats = 0.0, 0.0, {"tokens": int(mask.sum())}
+        for k, pred in enumerate(preds, start=1):
+            rows = index >= k - 1  # pass k has no chain before index k - 1
+            pk = pred[mask][rows]
+            v_loss = F.smooth_l1_loss(pk, target[rows])
+            log_q = torch.log_softmax(pk @ self.lm_head_t, dim=-1)
+            p_loss = -(p[rows] * log_q).sum(-1).mean()
+            w = s.ttt_decay ** (k - 1)
+            total, weights = total + w * (v_loss + s.p_weight * p_loss), weights + w
+            acc = float((log_q.argmax(-1) == want[rows]).float().mean())
+            suffix = "" if k == 1 else str(k)
+            stats.update({f"v_loss{suffix}": float(v_loss.detach()), f"p_loss{suffix}": float(p_loss.detach()),
+                          f"acc{suffix}": acc})
+        return total / weights, stats
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Token-weighted top-1 accuracy on the held-out sequences (no noise), for draft depth 1 and for
+        depths 2.. max(2, ttt_passes) (the head fed its own predictions, as in drafting)."""
+        self.head.eval()
+        sums: dict[str, float] = {}
+        n = 0
+        for batch in make_batches(self.val, self.settings.batch_tokens, self.settings.max_seq_len, random.Random(0)):
+            _, stats = self.loss(batch, self.val, noise=False, n_passes=max(2, self.settings.ttt_passes))
+            for key, value in stats.items():
+                if key.startswith("acc"):
+                    sums[key] = sums.get(key, 0.0) + value * stats["tokens"]
+            n += stats["tokens"]
+        self.head.train()
+        return {f"val_{k}": v / max(1, n) for k, v in sums.items()}
+
+    @staticmethod
+    def val_score(val: dict) -> float:
+        accs = [v for k, v in val.items() if k.startswith("val_acc")]
+        return sum(accs) / max(1, len(accs))
 
     def train(self, progress=None, log=None) -> None:
         self.head.train()
         epoch_len = len(self.batches)
+        if self.val and self.step == 0:  # the starting point (a warm start's, or chance)
+            start = {"step": 0}
+            self._check_validation(start)
+            self.history.append(start)
+            if log:
+                log(start)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             if self.step % epoch_len == 0 and self.step > 0:  # a new epoch: reshuffle deterministically
@@ -175,11 +276,26 @@ class HeadTrainer:
             self.wall_s += time.perf_counter() - t0
             stats.update(step=self.step, lr=self.lr_at(self.step - 1), loss=float(loss.detach()))
             self.history.append(stats)
+            if self.val and (self.step % self.settings.eval_every == 0 or self.step == self.total_steps):
+                self._check_validation(stats)
             if progress:
                 progress.update(1)
-                progress.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}")
+                shown = {"loss": stats["loss"], "acc": stats["acc"]}
+                if self.best is not None:
+                    shown["val_acc"] = self.best["val"].get("val_acc", 0.0)
+                progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
             if log:
                 log(stats)
             if self.step % self.settings.checkpoint_every == 0 or self.step == self.total_steps:
                 self.save_state()
+        if self.best is not None:  # keep the head that did best on held-out data
+            self.head.load_state_dict(self.best["head"])
         self.head.eval()
+
+    def _check_validation(self, stats: dict) -> None:
+        val = self.validate()
+        stats.update(val)
+        score = self.val_score(val)
+        if self.best is None or score > self.best["score"]:
+            self.best = {"step": self.step, "score": score, "val": val,
+                         "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()}}
