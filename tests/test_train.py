@@ -191,6 +191,9 @@ def test_training_time_test_and_held_out_selection(tmp_path, capsys):
 
     shipped = load_file(out / "head" / "model.safetensors")
     assert all(torch.equal(shipped[k].float(), v.float()) for k, v in state["best"]["head"].items() if k in shipped)
+    assert main(["train", "export", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    card = (out / "export" / "README.md").read_text()
+    assert "training-time test: 2 passes" in card and f"the head of step {state['best']['step']}" in card
 
 
 def test_bad_training_options_are_refused(tmp_path, capsys):
@@ -200,3 +203,14 @@ def test_bad_training_options_are_refused(tmp_path, capsys):
     assert "--val-sequences 100000" in capsys.readouterr().err
     assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--ttt-passes", "0"]) != 0
     assert "--ttt-passes" in capsys.readouterr().err
+
+
+def test_prompt_loss_counts_prompt_positions_too():
+    from ddspec.train.trainer import collate
+
+    seq = {"input_ids": torch.arange(10, dtype=torch.int32), "prompt_len": 6, "features": torch.zeros(9, 4)}
+    _, _, _, response_only = collate([seq], [0], 640)
+    _, _, _, everything = collate([seq], [0], 640, prompt_loss=True)
+    # step t predicts token t + 2: steps 4..7 predict response tokens 6..9
+    assert response_only[0].tolist() == [False] * 4 + [True] * 4
+    assert everything[0].all()

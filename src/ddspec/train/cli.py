@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
     g.add_argument("--val-sequences", type=int, default=0, metavar="N",
                    help="hold out the last N sequences (the newest shards), score them every --eval-every "
                         "steps and keep the head that does best on them (default 0 = keep the last step)")
+    g.add_argument("--prompt-loss", action="store_true",
+                   help="also train on prompt positions (the target's features and distribution there are "
+                        "computed anyway), not only on the response")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out scores (default 50)")
     g.add_argument("--init-from", default=None, metavar="HEAD",
                    help="start from the weights of an earlier head (a folder in the EAGLE layout) instead of "

@@ -10,6 +10,22 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _ttt_lines(meta: dict) -> list[str]:
+    """Training-time test and held-out selection, when the run used them."""
+    lines = []
+    passes = (meta.get("settings") or {}).get("ttt_passes", 1) if isinstance(meta.get("settings"), dict) else 1
+    if passes > 1:
+        accs = ", ".join(f"{meta[k]:.3f}" for k in ["acc"] + [f"acc{k}" for k in range(2, passes + 1)] if k in meta)
+        lines.append(f"- training-time test: {passes} passes (draft depths 1-{passes} trained on the head's own "
+                     f"predicted features); final training top-1 per depth: {accs}")
+    best = meta.get("best_val")
+    if best:
+        accs = ", ".join(f"{v:.3f}" for k, v in sorted(best.items()) if k.startswith("val_acc"))
+        lines.append(f"- kept: the head of step {best['step']}, the best on the held-out sequences "
+                     f"(top-1 at draft depth 1, 2, ...: {accs})")
+    return lines
+
+
 def write_model_card(dest: Path, run: Path, target) -> Path:
     stages, evals = _load(run / "stages.json"), _load(run / "eval.json")
     manifest = _load(run / "data" / "manifest.json")
@@ -31,6 +47,7 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
         f"- steps: {meta.get('steps', '?')}; final loss {meta.get('loss', float('nan')):.3f}, "
         f"top-1 draft accuracy {meta.get('acc', float('nan')):.3f} (mean of the last 50 steps)",
         f"- settings: {meta.get('settings', '?')}",
+        *_ttt_lines(meta),
         *([f"- warm start: from the weights of `{meta['init_from']}` (an earlier head), not from random ones"]
           if meta.get("init_from") else []),
         f"- head size on disk: {size_mb:.1f} MB",

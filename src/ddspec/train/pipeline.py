@@ -128,6 +128,7 @@ def stage_fit(args, out: Path, target) -> None:
         draft_vocab=args.draft_vocab if not args.tiny else 0, checkpoint_every=args.checkpoint_every,
         warmup_steps=args.warmup_steps if not args.tiny else 5, noise=args.noise, weight_decay=args.weight_decay,
         ttt_passes=args.ttt_passes, val_sequences=args.val_sequences, eval_every=args.eval_every,
+        prompt_loss=args.prompt_loss,
     )
     if settings.ttt_passes < 1:
         raise DdspecError(f"--ttt-passes must be at least 1 (1 = plain teacher forcing), got {settings.ttt_passes}")

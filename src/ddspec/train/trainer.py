@@ -53,6 +53,7 @@ class TrainSettings:
     ttt_passes: int = 1  # 1 = the EAGLE-1 objective; k > 1 also trains draft depths 2..k on own predictions
     ttt_decay: float = 0.8  # loss weight of pass k is ttt_decay ** (k - 1)
     val_sequences: int = 0  # held-out sequences (the last ones) scored every eval_every steps
+    prompt_loss: bool = False  # also learn the target at prompt positions (free: their features exist)
     eval_every: int = 50
 
 
@@ -127,7 +128,7 @@ def make_batches(sequences: list[dict], batch_tokens: int, max_len: int, rng: ra
     return batches
 
 
-def collate(sequences: list[dict], idx: list[int], max_len: int):
+def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bool = False):
     """Pad a batch. Head step t reads (f_t, x_{t+1}) and predicts f_{t+1} (token t+2).
 
     Returns tokens_next [B, T], feats_in [B, T, H], feats_target [B, T, H], loss_mask [B, T]
@@ -149,7 +150,7 @@ def collate(sequences: list[dict], idx: list[int], max_len: int):
         feats_target[row, :m] = f[1 : m + 1]
         # the step predicts token t+2: count it when that token is part of the response
         steps = torch.arange(m)
-        mask[row, :m] = steps + 2 >= s["prompt_len"]
+        mask[row, :m] = True if prompt_loss else steps + 2 >= s["prompt_len"]
     return tokens_next, feats_in, feats_target, mask
 
 
@@ -204,7 +205,9 @@ class HeadTrainer:
     def loss(self, batch: list[int], sequences: list[dict] | None = None, noise: bool = True,
              n_passes: int | None = None) -> tuple[torch.Tensor, dict]:
         s = self.settings
-        tokens_next, feats_in, feats_target, mask = collate(sequences or self.sequences, batch, s.max_seq_len)
+        held_out = sequences is not None  # validation scores response tokens only
+        tokens_next, feats_in, feats_target, mask = collate(sequences or self.sequences, batch, s.max_seq_len,
+                                                            s.prompt_loss and not held_out)
         t = feats_in.shape[1]
         if noise:
             feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
