@@ -22,6 +22,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     evals = json.loads((out / "eval.json").read_text())
     r = evals["head"]["tiny"]
     assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
+    assert r["by_category"]["tiny"]["prompts"] == 4 and abs(r["by_category"]["tiny"]["tau"] - r["tau"]) < 1e-9
     card = (out / "export" / "README.md").read_text()
     assert "τ" in card and "Reproduce" in card
     cfg = json.loads((out / "export" / "config.json").read_text())
@@ -214,3 +215,20 @@ def test_prompt_loss_counts_prompt_positions_too():
     # step t predicts token t + 2: steps 4..7 predict response tokens 6..9
     assert response_only[0].tolist() == [False] * 4 + [True] * 4
     assert everything[0].all()
+
+
+def test_eval_sets_with_counts_and_categories(tmp_path):
+    from ddspec.train.evaluate import first_turn_records, parse_eval_sets
+
+    known = ("mt_bench", "humaneval", "gsm8k")
+    assert parse_eval_sets("mt_bench:80, humaneval,gsm8k:5", 20, known) == {"mt_bench": 80, "humaneval": 20, "gsm8k": 5}
+    for bad, said in (("mtbench", "unknown eval set 'mtbench'"), ("gsm8k:x", "whole number"), ("gsm8k:0", "at least 1"),
+                      (" , ", "empty")):
+        with pytest.raises(DdspecError, match=said):
+            parse_eval_sets(bad, 20, known)
+    path = tmp_path / "e.jsonl"
+    path.write_text('{"category": "writing", "turns": ["a", "b"]}\n\n{"category": "math", "turns": ["c"]}\n')
+    assert first_turn_records(path, 5) == [("writing", "a"), ("math", "c")]
+    path.write_text('{"category": "writing", "turns": []}\n')
+    with pytest.raises(DdspecError, match="line 1"):
+        first_turn_records(path, 5)

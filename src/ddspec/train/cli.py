@@ -70,7 +70,9 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)
-    g.add_argument("--eval-sets", default="mt_bench,humaneval,gsm8k", help="comma-separated eval files to use")
+    g.add_argument("--eval-sets", default="mt_bench,humaneval,gsm8k",
+                   help="comma-separated eval files, each optionally with its own prompt count: "
+                        "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
     g.add_argument("--to", default=None, help="export: the head folder to write (EAGLE-1/2 layout)")

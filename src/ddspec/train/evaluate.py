@@ -20,6 +20,11 @@ from ddspec.prompts import chat_prompt_ids
 
 
 def first_turns(path: Path, limit: int) -> list[str]:
+    return [text for _, text in first_turn_records(path, limit)]
+
+
+def first_turn_records(path: Path, limit: int) -> list[tuple[str, str]]:
+    """(category, first user turn) of the first ``limit`` records of an eval JSONL."""
     if not path.is_file():
         raise DdspecError(f"eval file not found: {path}")
     out = []
@@ -27,12 +32,33 @@ def first_turns(path: Path, limit: int) -> list[str]:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line)["turns"][0])
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            row = json.loads(line)
+            out.append((str(row.get("category", "")), row["turns"][0]))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
             raise DdspecError(f"{path}, line {n}: not a prompt record ({e})") from e
         if len(out) >= limit:
             break
     return out
+
+
+def parse_eval_sets(spec: str, default_limit: int, known: tuple[str, ...]) -> dict[str, int]:
+    """``mt_bench:80,humaneval,gsm8k:20`` -> {name: prompts}; a bare name takes ``default_limit``."""
+    sets: dict[str, int] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        name, _, count = item.partition(":")
+        if name not in known:
+            raise DdspecError(f"--eval-sets: unknown eval set {name!r}; choose from {', '.join(known)}")
+        try:
+            sets[name] = int(count) if count else default_limit
+        except ValueError:
+            raise DdspecError(f"--eval-sets: {item!r}: the count after ':' must be a whole number") from None
+        if sets[name] < 1:
+            raise DdspecError(f"--eval-sets: {item!r}: the count must be at least 1")
+    if not sets:
+        raise DdspecError(f"--eval-sets is empty; choose from {', '.join(known)}")
+    return sets
 
 
 def depth_acceptance(stats: list[RunStats]) -> list[float]:
@@ -47,7 +73,7 @@ def depth_acceptance(stats: list[RunStats]) -> list[float]:
 
 
 def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeConfig = TreeConfig(),
-                  method: str = "eagle2", progress=None) -> dict:
+                  method: str = "eagle2", progress=None, categories: list[str] | None = None) -> dict:
     drafter = EagleDrafter(head, target, tree_config(method, tree))
     stop = StopConfig(max_new_tokens=new_tokens)
     runs, same, wall, plain_wall, tokens = [], 0, 0.0, 0.0, 0
@@ -64,7 +90,15 @@ def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeC
         if progress:
             progress.update(1)
     steps = [s for r in runs for s in r.steps]
+    by_category: dict[str, dict] = {}
+    for cat, run in zip(categories or [], runs):
+        entry = by_category.setdefault(cat, {"prompts": 0, "tokens": 0, "steps": 0})
+        entry["prompts"] += 1
+        entry["tokens"] += sum(s.accepted + 1 for s in run.steps)
+        entry["steps"] += len(run.steps)
     return {
+        "by_category": {c: {"prompts": e["prompts"], "tau": e["tokens"] / max(1, e["steps"])}
+                        for c, e in by_category.items()},
         "prompts": len(prompts),
         "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),
         "depth_acceptance": depth_acceptance(runs),

@@ -169,7 +169,7 @@ def _training_summary(history: list[dict]) -> dict:
 
 def stage_eval(args, out: Path, target) -> None:
     from ddspec.draft.checkpoint import load_head
-    from ddspec.train.evaluate import evaluate_head, first_turns
+    from ddspec.train.evaluate import evaluate_head, first_turn_records, parse_eval_sets
 
     log = StageLog(out, "eval")
     if (out / "head" / "config.json").is_file():
@@ -179,14 +179,14 @@ def stage_eval(args, out: Path, target) -> None:
         log.info(f"training has not finished: evaluating the checkpoint at step {meta['training']['steps']}")
     if args.tiny:
         sets = {"tiny": TINY_PROMPTS[:4]}
+        categories = {"tiny": ["tiny"] * 4}
         new_tokens = 24
     else:
         root = Path(args.prompts).resolve().parents[1] / "eval"
-        names = [x.strip() for x in args.eval_sets.split(",") if x.strip()]
-        unknown = sorted(set(names) - set(EVAL_FILES))
-        if unknown or not names:
-            raise DdspecError(f"--eval-sets: unknown {unknown}; choose from {', '.join(EVAL_FILES)}")
-        sets = {name: first_turns(root / f"{name}.jsonl", args.eval_limit) for name in names}
+        limits = parse_eval_sets(args.eval_sets, args.eval_limit, EVAL_FILES)
+        records = {name: first_turn_records(root / f"{name}.jsonl", n) for name, n in limits.items()}
+        sets = {name: [text for _, text in rows] for name, rows in records.items()}
+        categories = {name: [cat for cat, _ in rows] for name, rows in records.items()}
         new_tokens = args.eval_new_tokens
     results = {}
     variants = {"head": head}
@@ -198,11 +198,14 @@ def stage_eval(args, out: Path, target) -> None:
     with tqdm(total=total, desc="eval", unit="prompt", file=sys.stderr, disable=None) as bar:
         for vname, h in variants.items():
             for name, prompts in sets.items():
-                r = evaluate_head(target, h, prompts, new_tokens, progress=bar)
+                r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name])
                 results.setdefault(vname, {})[name] = r
-                log.info(f"{vname} {name}: tau {r['tau']:.2f}, depth acceptance "
+                log.info(f"{vname} {name} ({len(prompts)} prompts): tau {r['tau']:.2f}, depth acceptance "
                          f"{[round(x, 2) for x in r['depth_acceptance']]}, draft {r['draft_ms_per_step']:.1f} ms/step, "
                          f"identical {r['identical_to_plain']}")
+                if len(r["by_category"]) > 1:
+                    log.info(f"{vname} {name} tau by category: "
+                             + ", ".join(f"{c} {e['tau']:.2f}" for c, e in r["by_category"].items()))
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     log.finish()
 
