@@ -97,8 +97,7 @@ def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeC
         entry["tokens"] += sum(s.accepted + 1 for s in run.steps)
         entry["steps"] += len(run.steps)
     return {
-        "by_category": {c: {"prompts": e["prompts"], "tau": e["tokens"] / max(1, e["steps"])}
-                        for c, e in by_category.items()},
+        "by_category": {c: {**e, "tau": e["tokens"] / max(1, e["steps"])} for c, e in by_category.items()},
         "prompts": len(prompts),
         "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),
         "depth_acceptance": depth_acceptance(runs),
