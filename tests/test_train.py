@@ -232,3 +232,13 @@ def test_eval_sets_with_counts_and_categories(tmp_path):
     path.write_text('{"category": "writing", "turns": []}\n')
     with pytest.raises(DdspecError, match="line 1"):
         first_turn_records(path, 5)
+
+
+def test_model_card_data_time_counts_every_resumed_run():
+    from ddspec.train.model_card import _stage_time
+
+    # stages.json keeps the last data run only; the manifest sums the generation of all shards
+    assert _stage_time("data", {"wall_s": 600}, {"wall_s": 3600}) == \
+        "60.0 min of generation over all runs (the last run: 10.0 min)"
+    assert _stage_time("data", {"wall_s": 600}, {"wall_s": 600}) == "10.0 min"
+    assert _stage_time("fit", {"wall_s": 120}, {"wall_s": 3600}) == "2.0 min"
