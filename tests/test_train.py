@@ -204,14 +204,16 @@ def test_bad_training_options_are_refused(tmp_path, capsys):
     assert "--val-sequences 100000" in capsys.readouterr().err
     assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--ttt-passes", "0"]) != 0
     assert "--ttt-passes" in capsys.readouterr().err
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--p-weight", "-1"]) != 0
+    assert "--p-weight" in capsys.readouterr().err
 
 
 def test_prompt_loss_counts_prompt_positions_too():
     from ddspec.train.trainer import collate
 
     seq = {"input_ids": torch.arange(10, dtype=torch.int32), "prompt_len": 6, "features": torch.zeros(9, 4)}
-    _, _, _, response_only = collate([seq], [0], 640)
-    _, _, _, everything = collate([seq], [0], 640, prompt_loss=True)
+    _, _, _, response_only, _ = collate([seq], [0], 640)
+    _, _, _, everything, _ = collate([seq], [0], 640, prompt_loss=True)
     # step t predicts token t + 2: steps 4..7 predict response tokens 6..9
     assert response_only[0].tolist() == [False] * 4 + [True] * 4
     assert everything[0].all()

@@ -116,12 +116,19 @@ def save_head(head: EagleHead, folder: str | Path, metadata: dict | None = None)
     return folder
 
 
-def random_head(target_config: dict, seed: int = 0, std: float = 0.02) -> EagleHead:
-    """A randomly initialised head for a target (tests, and a starting point for training)."""
+def random_head(target_config: dict, seed: int = 0, std: float = 0.02,
+                fuse_layers: tuple[int, ...] = ()) -> EagleHead:
+    """A randomly initialised head for a target (tests, and a starting point for training); a fusion
+    of target layers (``fuse_layers``) starts at zero."""
     torch.manual_seed(seed)
-    head = EagleHead(head_config_for(target_config))
+    cfg = head_config_for(target_config)
+    if fuse_layers:
+        cfg["fuse_layers"] = list(fuse_layers)
+    head = EagleHead(cfg)
     with torch.no_grad():
         for name, p in head.named_parameters():
+            if name == "fuse.weight":
+                continue
             if p.dim() == 2:
                 p.normal_(0.0, std)
             elif name.endswith("bias"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ddspec.config import TreeConfig
-from ddspec.draft.head import EagleHead
+from ddspec.draft.head import EagleHead, fusion_input
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
@@ -66,6 +66,7 @@ class EagleDrafter:
         if tree.shape == "dynamic" and tree.top_k > vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} is larger than the vocabulary ({vocab})")
         self.head, self.target, self.cfg = head, target, tree
+        self.hidden_layers = head.fuse_layers  # the target layers a fused head reads (asked of each forward)
         self.device = target.device
         self.embed = head.embed_tokens if hasattr(head, "embed_tokens") else target.embed
         ids = head.draft_token_ids
@@ -134,9 +135,19 @@ class EagleDrafter:
         self.cache.truncate(0)
         self._committed = 0
 
+    @torch.inference_mode()
+    def _committed_features(self, target_out: TargetOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input features at committed positions (``rows`` of the forward; None = all)."""
+        f = target_out.features if rows is None else target_out.features[rows]
+        if not self.hidden_layers:
+            return f
+        states = [target_out.hidden_states[i] for i in self.hidden_layers]
+        extra = fusion_input(states if rows is None else [s[rows] for s in states])
+        return self.head.fused_features(f.to(self.head.fc.weight.dtype), extra)
+
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
-        self._commit_entries(target_out.features, nxt)
+        self._commit_entries(self._committed_features(target_out), nxt)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
         if self.cost_policy is not None and tree.size > 1:
@@ -146,7 +157,7 @@ class EagleDrafter:
         self.cache.truncate(self.committed)
         path = verdict.path
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
-        self._commit_entries(target_out.features[path], nxt)
+        self._commit_entries(self._committed_features(target_out, path), nxt)
 
     @property
     def committed(self) -> int:

@@ -12,6 +12,12 @@ on top of the head's own KV cache, with a tree mask).
 
 An optional reduced draft vocabulary ``d2t`` (EAGLE-3's convention: target id = draft id +
 d2t[draft id]) makes drafting compute logits only over those tokens.
+
+Fused features (optional, config key ``fuse_layers``, after EAGLE-3): at committed positions the
+head's input feature becomes ``f_t + fuse(cat(norm(h^a_t), norm(h^b_t), ...))``, where ``h^i`` is
+the target's residual stream at the input of layer i (HF ``hidden_states[i]``) and ``norm`` a
+weightless RMS norm; ``fuse`` starts at zero, so a head warm-started from a plain one begins as
+exactly that head. Draft positions (depth >= 2) still read the head's own predicted feature.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from torch import nn
 
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
+
+
+def fusion_input(states: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
+    """The fused head's extra input: the listed residual streams, each RMS-normalised (no weight), concatenated."""
+    return torch.cat([F.rms_norm(s.float(), (s.shape[-1],), None, eps) for s in states], dim=-1)
 
 
 class RMSNormWeight(nn.Module):
@@ -69,12 +80,29 @@ class EagleHead(nn.Module):
             self.embed_tokens = nn.Embedding(self.arch.vocab_size, h)
         if draft_vocab is not None:
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        if self.fuse_layers:
+            self.fuse = nn.Linear(len(self.fuse_layers) * h, h, bias=False)
+            nn.init.zeros_(self.fuse.weight)
         self._rotary: Rotary | None = None
 
     # -- properties ----------------------------------------------------------------------
     @property
     def hidden_size(self) -> int:
         return self.arch.hidden_size
+
+    @property
+    def fuse_layers(self) -> tuple[int, ...]:
+        """Target layers whose inputs (HF ``hidden_states`` indices) the head fuses into its feature; () = none."""
+        return tuple(int(i) for i in self.config.get("fuse_layers") or ())
+
+    def fused_features(self, features: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """Input features at committed positions: ``f_t`` plus the fused layers' term (``extra`` from
+        :func:`fusion_input`, [..., n_layers * H]); ``f_t`` unchanged for a plain head."""
+        if not self.fuse_layers:
+            return features
+        if extra is None:
+            raise ValueError(f"this head fuses target layers {list(self.fuse_layers)} but got no layer states")
+        return features + self.fuse(extra.to(features.dtype))
 
     @property
     def draft_token_ids(self) -> torch.Tensor | None:

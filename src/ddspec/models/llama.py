@@ -280,6 +280,21 @@ class NativeLlama:
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Features [B, T, H] of right-padded sequences [B, T] without touching the cache."""
+        x = self._batch_layers(tokens, attention_mask, len(self.layers))
+        return self.final_norm(x)
+
+    @torch.inference_mode()
+    def hidden_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None,
+                     hidden_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """Residual streams [B, T, H] at the inputs of ``hidden_layers`` (HF hidden_states indices < the
+        layer count); only the layers below the deepest one asked for are run."""
+        out: dict[int, torch.Tensor] = {}
+        self._batch_layers(tokens, attention_mask, max(hidden_layers), lambda i, x: out.__setitem__(i, x)
+                           if i in hidden_layers else None)
+        return out
+
+    def _batch_layers(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None, upto: int,
+                      visit=None) -> torch.Tensor:
         b, t = tokens.shape
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
         mask = causal.view(1, 1, t, t)
@@ -288,6 +303,10 @@ class NativeLlama:
             mask = mask | torch.eye(t, dtype=torch.bool, device=self.device)  # no empty rows
         positions = torch.arange(t, device=self.device)
         x = self.embed(tokens.to(self.device))
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers[:upto]):
+            if visit:
+                visit(i, x)
             x = layer_forward(layer, x, self.arch, self.rotary, positions, lambda k, v: (k, v), mask)
-        return self.final_norm(x)
+        if visit:
+            visit(upto, x)
+        return x

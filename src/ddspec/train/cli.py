@@ -1,6 +1,7 @@
 """`ddspec train`: make an EAGLE-1/2 draft head for a target, in resumable stages.
 
     ddspec train data   --out runs/smollm2     # the target answers training prompts (+ features)
+    ddspec train layers --out runs/smollm2 --fuse-layers 2,15   # optional: intermediate target layers
     ddspec train fit    --out runs/smollm2     # train the head, checkpointing
     ddspec train eval   --out runs/smollm2     # tau through the real engine on the eval sets
     ddspec train export --out runs/smollm2 --to FOLDER   # EAGLE-1/2 layout + model card
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-STAGES = ("data", "fit", "eval", "export", "all")
+STAGES = ("data", "layers", "fit", "eval", "export", "all")
 
 
 def default_prompts() -> str:
@@ -52,6 +53,9 @@ def add_parser(sub) -> None:
     g.add_argument("--noise", type=float, default=0.1,
                    help="half-width of the uniform noise added to the input features (default 0.1)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    g.add_argument("--p-weight", type=float, default=0.1,
+                   help="weight of the cross-entropy against the target's distribution, beside the feature "
+                        "regression's 1.0 (default 0.1, EAGLE-1's)")
     g.add_argument("--ttt-passes", type=int, default=1, metavar="K",
                    help="training-time test: also train draft depths 2..K on the head's own predicted "
                         "features, with the engine's attention pattern (about K times the compute; default 1 = "
@@ -67,6 +71,12 @@ def add_parser(sub) -> None:
                    help="start from the weights of an earlier head (a folder in the EAGLE layout) instead of "
                         "random ones: a warm start when more data arrives. The draft vocabulary is still "
                         "chosen from this run's data")
+    g.add_argument("--fuse-layers", default=None, metavar="A,B",
+                   help="make a head that also reads the target's residual stream at the inputs of these layers "
+                        "(HF hidden_states indices, e.g. 2,15 of 30), fused into its input feature at committed "
+                        "positions (after EAGLE-3). Needs the `layers` stage, which runs the target over the "
+                        "data once more up to the deepest of them. With --init-from a plain head, the fusion "
+                        "starts at zero, i.e. exactly at that head")
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)

@@ -275,6 +275,14 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
     return writer.manifest
 
 
+def load_manifest_sequences(data_dir: Path) -> int:
+    """How many sequences the data folder's manifest lists (a clear error when there is no data)."""
+    path = data_dir / "manifest.json"
+    if not path.is_file():
+        raise DdspecError(f"no training data in {data_dir}: run `ddspec train data --out {data_dir.parent}` first")
+    return int(json.loads(path.read_text())["sequences"])
+
+
 def load_shards(data_dir: Path) -> list[dict]:
     manifest = json.loads((data_dir / "manifest.json").read_text())
     seqs: list[dict] = []

@@ -40,12 +40,17 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
     manifest = _load(run / "data" / "manifest.json")
     meta = _load(dest / "config.json").get("ddspec", {}).get("training", {})
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
+    fused = _load(dest / "config.json").get("fuse_layers") or []
+    fuse_flag = f" --fuse-layers {','.join(map(str, fused))}" if fused else ""
     lines = [
         f"# EAGLE-1/2 draft head for {target.info.name}",
         "",
         "Trained with `ddspec train` (self-distillation: the target's own greedy answers).",
         "Layout: EAGLE-1/2 (`config.json` + `model.safetensors`, fp16); loads in ddspec and in",
         "engines that read EAGLE-1/2 heads. `d2t`, when present, is ddspec's reduced draft vocabulary.",
+        *([f"Fused features: the head also reads the target's residual stream at the inputs of layers {fused}",
+           "(`fuse_layers` in config.json, tensor `fuse.weight`); this is ddspec's extension, which plain",
+           "EAGLE-1/2 loaders do not know."] if fused else []),
         "",
         "## Data",
         f"- prompts: `../shared/data/train/prompts.jsonl`, GSM8K and code capped at 1500 each, sources interleaved",
@@ -78,7 +83,7 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
             acc = ", ".join(f"{x:.2f}" for x in r["depth_acceptance"][:8])
             lines.append(f"| {variant} | {name} | {r['prompts']} | {r['tau']:.2f} | {acc} | "
                          f"{r['draft_ms_per_step']:.1f} | {r['identical_to_plain']} |")
-    lines += ["", "## Reproduce", "", "```", f"ddspec train all --out {run}  # then: ddspec train export --to {dest}", "```", ""]
+    lines += ["", "## Reproduce", "", "```", f"ddspec train all --out {run}{fuse_flag}  # then: ddspec train export --to {dest}", "```", ""]
     path = dest / "README.md"
     path.write_text("\n".join(lines))
     return path

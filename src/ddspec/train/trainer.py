@@ -132,7 +132,8 @@ def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bo
     """Pad a batch. Head step t reads (f_t, x_{t+1}) and predicts f_{t+1} (token t+2).
 
     Returns tokens_next [B, T], feats_in [B, T, H], feats_target [B, T, H], loss_mask [B, T]
-    with T = (longest sequence - 2)."""
+    with T = (longest sequence - 2), and layers_in [B, T, n * H] (the fused target layers at t) when
+    the sequences carry ``"layers"`` (see :mod:`ddspec.train.layers`), else None."""
     lens = [min(len(sequences[i]["input_ids"]), max_len) for i in idx]
     t = max(lens) - 2
     h = sequences[idx[0]]["features"].shape[1]
@@ -141,6 +142,8 @@ def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bo
     feats_in = torch.zeros(b, t, h)
     feats_target = torch.zeros(b, t, h)
     mask = torch.zeros(b, t, dtype=torch.bool)
+    first = sequences[idx[0]].get("layers")
+    layers_in = None if first is None else torch.zeros(b, t, first.shape[1])
     for row, (i, n) in enumerate(zip(idx, lens)):
         s = sequences[i]
         ids, f = s["input_ids"][:n].long(), s["features"][: n - 1].float()  # f: [n-1, H]
@@ -148,10 +151,12 @@ def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bo
         tokens_next[row, :m] = ids[1 : m + 1]
         feats_in[row, :m] = f[:m]
         feats_target[row, :m] = f[1 : m + 1]
+        if layers_in is not None:
+            layers_in[row, :m] = s["layers"][:m].float()
         # the step predicts token t+2: count it when that token is part of the response
         steps = torch.arange(m)
         mask[row, :m] = True if prompt_loss else steps + 2 >= s["prompt_len"]
-    return tokens_next, feats_in, feats_target, mask
+    return tokens_next, feats_in, feats_target, mask, layers_in
 
 
 class HeadTrainer:
@@ -206,11 +211,12 @@ class HeadTrainer:
              n_passes: int | None = None) -> tuple[torch.Tensor, dict]:
         s = self.settings
         held_out = sequences is not None  # validation scores response tokens only
-        tokens_next, feats_in, feats_target, mask = collate(sequences or self.sequences, batch, s.max_seq_len,
-                                                            s.prompt_loss and not held_out)
+        tokens_next, feats_in, feats_target, mask, layers_in = collate(
+            sequences or self.sequences, batch, s.max_seq_len, s.prompt_loss and not held_out)
         t = feats_in.shape[1]
         if noise:
             feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
+        feats_in = self.head.fused_features(feats_in, layers_in)  # committed positions: + fused layers
         preds = ttt_passes(self.head, F.embedding(tokens_next, self.embed_weight), feats_in, n_passes or s.ttt_passes)  # k x [B, T, H]
         target = feats_target[mask]  # [M, H]
         with torch.no_grad():

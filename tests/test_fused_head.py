@@ -1,0 +1,113 @@
+"""Heads that fuse intermediate target layers into their input feature (``--fuse-layers``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddspec.cli import main
+from ddspec.config import StopConfig, TreeConfig
+from ddspec.draft.checkpoint import load_head, random_head
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.engine import Engine
+from ddspec.errors import DdspecError
+
+TREE = TreeConfig(top_k=4, depth=4, total_tokens=16)
+
+
+def _fused_head(target, layers=(1,), seed=5):
+    head = random_head(target.hf_config, seed=seed, std=0.05, fuse_layers=layers)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0.0, 0.05)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("impl", ["native", "hf"])
+def test_drafting_reads_the_fused_layers_as_training_does(tiny_targets, impl):
+    """The root's f̂ after prefill equals the training forward fed the layers stage's stored states."""
+    from ddspec.train.layers import layer_states
+
+    target = tiny_targets[("llama", impl)]
+    native = tiny_targets[("llama", "native")]
+    head = _fused_head(target)
+    drafter = EagleDrafter(head, target, TREE)
+    assert drafter.hidden_layers == (1,)
+    prompt = torch.tensor([3, 17, 29, 8, 41, 5, 66, 12])
+    root = torch.tensor(9)
+    target.reset(64)
+    out = target.forward(prompt, torch.arange(len(prompt)), None, drafter.hidden_layers)
+    drafter.reset(64)
+    drafter.prefill(prompt, out, root)
+    seq = torch.cat([prompt, root.view(1)])
+    stored = layer_states(native, [seq], (1,))[0]  # what `ddspec train layers` writes: [len - 1, n * H] fp16
+    with torch.no_grad():
+        feats = head.fused_features(out.features.float(), stored.float())
+        trained = head(target.embed(seq[1:]).view(1, len(prompt), -1).float(), feats.unsqueeze(0),
+                       torch.arange(len(prompt)))[0]
+        plain = head(target.embed(seq[1:]).view(1, len(prompt), -1).float(), out.features.float().unsqueeze(0),
+                     torch.arange(len(prompt)))[0]
+    assert torch.allclose(drafter.root_hidden, trained[-1], atol=2e-2, rtol=1e-2)
+    assert not torch.allclose(drafter.root_hidden, plain[-1], atol=2e-2, rtol=1e-2)  # the fusion does count
+
+
+def test_fused_head_is_lossless_and_starts_as_the_plain_head(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    prompt = [5, 6, 7, 8, 9, 10]
+    stop = StopConfig(max_new_tokens=24)
+    ref = Engine(target).generate(prompt, stop)
+    fused = _fused_head(target)
+    res = Engine(target, EagleDrafter(fused, target, TREE)).generate(prompt, stop)
+    assert res.token_ids == ref.token_ids
+    zero = _fused_head(target)
+    with torch.no_grad():
+        zero.fuse.weight.zero_()
+    plain = random_head(target.hf_config, seed=0).eval()
+    plain.load_state_dict({k: v for k, v in zero.state_dict().items() if k != "fuse.weight"})
+    a = Engine(target, EagleDrafter(zero, target, TREE)).generate(prompt, stop).stats
+    b = Engine(target, EagleDrafter(plain, target, TREE)).generate(prompt, stop).stats
+    assert [s.accepted for s in a.steps] == [s.accepted for s in b.steps]
+
+
+def test_tiny_pipeline_with_fused_layers(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["--tiny", "--out", str(out), "--threads", "1", "--fuse-layers", "1"]
+    assert main(["train", "all", *args]) == 0
+    stages = json.loads((out / "stages.json").read_text())
+    assert set(stages) == {"data", "layers", "fit", "eval", "export"}
+    assert json.loads((out / "eval.json").read_text())["head"]["tiny"]["identical_to_plain"] == "4/4"
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["fuse_layers"] == [1]
+    assert "Fused features" in (out / "export" / "README.md").read_text()
+    from ddspec.models.loading import load_target
+
+    target = load_target(str(out / "tiny_model"), impl="native")
+    head = load_head(out / "export", target.info)
+    assert head.fuse_layers == (1,) and head.fuse.weight.abs().max() > 0  # trained away from its zero start
+    # the layers stage resumes (nothing to redo) and refuses other layers than the ones on disk
+    assert main(["train", "layers", *args]) == 0
+    capsys.readouterr()
+    assert main(["train", "layers", "--tiny", "--out", str(out), "--threads", "1", "--fuse-layers", "1,0"]) == 2
+    assert "between 1 and 1" in capsys.readouterr().err
+    # a fused head as the warm start of a plain run is refused with the flag to pass
+    assert main(["train", "fit", "--tiny", "--out", str(tmp_path / "other"), "--threads", "1",
+                 "--init-from", str(out / "export")]) == 2
+
+
+def test_fit_without_the_layers_stage_says_what_to_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--fuse-layers", "1"]) == 2
+    assert "ddspec train layers" in capsys.readouterr().err
+
+
+def test_parse_layers():
+    from ddspec.train.layers import parse_layers
+
+    assert parse_layers("15,2", 30) == (2, 15)
+    assert parse_layers(None, 30) == ()
+    for bad in ("0", "30", "a,b", ","):
+        with pytest.raises(DdspecError):
+            parse_layers(bad, 30)
