@@ -244,3 +244,48 @@ def test_model_card_data_time_counts_every_resumed_run():
         "60.0 min of generation over all runs (the last run: 10.0 min)"
     assert _stage_time("data", {"wall_s": 600}, {"wall_s": 600}) == "10.0 min"
     assert _stage_time("fit", {"wall_s": 120}, {"wall_s": 3600}) == "2.0 min"
+
+
+def test_sampled_passes_add_new_target_written_answers(tmp_path, capsys):
+    from ddspec.train.generate import check_features_match, load_shards
+
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--sampled-answers", "1",
+                 "--temperature", "1.0"]) == 0
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    passes = [e.get("pass", 0) for e in manifest["shards"].values()]
+    assert 0 in passes and 1 in passes and manifest["response_tokens"] >= 1200
+    seqs = load_shards(out / "data")
+    greedy = {s["id"]: s for s in seqs if "#" not in s["id"]}
+    sampled = [s for s in seqs if s["id"].endswith("#s1")]
+    assert sampled and all(s["id"][:-3] in greedy for s in sampled)
+    differ = sum(not torch.equal(s["input_ids"], greedy[s["id"][:-3]]["input_ids"]) for s in sampled)
+    assert differ >= len(sampled) // 2  # sampled answers are new text, not the greedy one again
+    # the stored features are the target's own at those sampled tokens
+    from ddspec.models.loading import load_target
+
+    target = load_target(str(out / "tiny_model"), impl="native")
+    s = sampled[0]
+    assert check_features_match(target, s["features"].float(), s["input_ids"].long()) < 1e-2
+    # a rerun of a sampled shard writes the same tokens (a seed per shard)
+    key = max(k for k, e in manifest["shards"].items() if e.get("pass") == 1)
+    before = torch.load(out / "data" / f"shard-{key}.pt", weights_only=True)
+    (out / "data" / f"shard-{key}.pt").unlink()
+    m = json.loads((out / "data" / "manifest.json").read_text())
+    e = m["shards"].pop(key)
+    m["response_tokens"] -= e["response_tokens"]
+    m["sequences"] -= e["sequences"]
+    (out / "data" / "manifest.json").write_text(json.dumps(m))
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--sampled-answers", "1",
+                 "--temperature", "1.0"]) == 0
+    after = torch.load(out / "data" / f"shard-{key}.pt", weights_only=True)
+    assert [x["input_ids"].tolist() for x in after] == [x["input_ids"].tolist() for x in before]
+    # bad options name themselves
+    capsys.readouterr()
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--sampled-answers", "1",
+                 "--temperature", "0"]) == 2
+    assert "--temperature" in capsys.readouterr().err
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--sampled-answers", "1",
+                 "--sample-sources", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "nosuch" in err and "tiny" in err and "Traceback" not in err

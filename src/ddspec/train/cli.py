@@ -42,6 +42,14 @@ def add_parser(sub) -> None:
                    help="stop generating once this many response tokens exist (default 600000)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="longest response per prompt (default 256)")
     g.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
+    g.add_argument("--sampled-answers", type=int, default=0, metavar="N",
+                   help="after the greedy pass, answer the --sample-sources prompts N more times with "
+                        "temperature sampling: more target-written data once the prompts are used up (default 0)")
+    g.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature of the sampled passes (default 0.7)")
+    g.add_argument("--sample-sources", default=None, metavar="SRC[:CAP],...",
+                   help="prompt sources the sampled passes answer, each with an optional cap "
+                        "(default: every source but the capped math and code ones)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=2.0)
     g.add_argument("--lr", type=float, default=1e-3)

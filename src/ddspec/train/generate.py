@@ -2,7 +2,9 @@
 
 Responses come from batched greedy decoding with the native target. Greedy, because the
 shipped head is evaluated (and mostly used) with greedy decoding: it should learn the target's
-own greedy trajectories. Every token's feature (post-norm hidden state) is produced by the
+own greedy trajectories. Once every prompt has its greedy answer, optional *sampled passes*
+(``pass`` 1, 2, ...) answer chosen prompts again with temperature sampling: new contexts from
+the same prompts, still written by the target, for when the prompt mix is used up. Every token's feature (post-norm hidden state) is produced by the
 forward that processes it, so the prompt's features come from the batched prefill and each
 response token's from its decoding step: one pass gives ids, loss mask and features (the last
 response token is never run, so sequences keep ``len - 1`` usable features). This halves the
@@ -67,8 +69,11 @@ class ContinuousBatcher:
     shifted left by the space no live row needs.
     """
 
-    def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int) -> None:
+    def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
+                 temperature: float = 0.0, seed: int = 0) -> None:
         a = target.arch
+        self.temperature = temperature
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.target, self.rows, self.max_prompt, self.max_new = target, rows, max_prompt, max_new
         self.capacity = 2 * (max_prompt + max_new)
         self.keys = torch.zeros(a.num_layers, rows, a.num_kv_heads, self.capacity, a.head_dim,
@@ -104,8 +109,15 @@ class ContinuousBatcher:
             self.keys[li, r, :, self.s - p : self.s] = k
             self.values[li, r, :, self.s - p : self.s] = v
         self.start[r] = self.s - p + pad
-        first = t.lm_head(h[:, -1]).argmax(-1)  # [B]
+        first = self._pick(t.lm_head(h[:, -1]))  # [B]
         return first, [h[i, pad[i]:].float() for i in range(len(prompts))]
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).view(-1)
 
     def _shift(self) -> None:
         live = self.start[self.live]
@@ -173,16 +185,19 @@ class ContinuousBatcher:
             if self.s >= self.capacity:
                 self._shift()
             h = self._step(nxt)
-            nxt = self.target.lm_head(h).argmax(-1)
+            nxt = self._pick(self.target.lm_head(h))
             for r in self.live.tolist():
                 out[item[r]].append(int(nxt[r]))
                 feats[item[r]].append(h[r : r + 1].float())
 
 
 def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int, rows: int = 16,
-                   max_prompt: int | None = None) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy answers to all ``prompts``: (response ids, features of prompt + response[:-1])."""
-    batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new)
+                   max_prompt: int | None = None, temperature: float = 0.0, seed: int = 0
+                   ) -> list[tuple[list[int], torch.Tensor]]:
+    """Answers to all ``prompts`` (greedy, or sampled at ``temperature`` > 0):
+    (response ids, features of prompt + response[:-1])."""
+    batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new,
+                                temperature=temperature, seed=seed)
     results: dict[int, tuple[list[int], torch.Tensor]] = {}
     for i, ids, f in batcher.run(prompts):
         results[i] = (ids, f)
@@ -209,7 +224,7 @@ class ShardWriter:
                              "sequences": 0, "wall_s": 0.0}
 
     def write(self, shard: int, sequences: list[dict], response_tokens: int, wall_s: float, *, first: int,
-              prompts: int) -> None:
+              prompts: int, pass_id: int = 0) -> None:
         name = f"shard-{shard:05d}.pt"
         tmp = self.dir / (name + ".tmp")
         try:
@@ -218,6 +233,8 @@ class ShardWriter:
             m = self.manifest
             m["shards"][f"{shard:05d}"] = {"sequences": len(sequences), "response_tokens": response_tokens,
                                           "first": first, "prompts": prompts}
+            if pass_id:
+                m["shards"][f"{shard:05d}"]["pass"] = pass_id
             m["response_tokens"] += response_tokens
             m["sequences"] += len(sequences)
             m["wall_s"] += wall_s
@@ -244,33 +261,43 @@ def encode_prompts(target, records: list[PromptRecord], max_tokens: int) -> list
 
 
 def run_generation(target, records: list[PromptRecord], out_dir: Path, settings: GenerationSettings,
-                   token_budget: int, progress=None) -> dict:
-    """Generate shards until the prompts or the response-token budget run out; resumable."""
+                   token_budget: int, progress=None, pass_id: int = 0, temperature: float = 0.0) -> dict:
+    """Generate shards until the prompts or the response-token budget run out; resumable.
+
+    ``pass_id`` 0 is the greedy pass over ``records``; pass k >= 1 answers ``records`` again,
+    sampled at ``temperature`` with a seed per shard (a rerun writes the same shard). The budget
+    counts the response tokens of every pass together.
+    """
+    if pass_id and temperature <= 0:
+        raise DdspecError(f"sampled pass {pass_id} needs a temperature > 0")
     if not isinstance(target, NativeLlama):
         raise DdspecError("training data generation needs the native implementation (--impl native)")
     writer = ShardWriter(out_dir, target_fingerprint(target), asdict(settings) | {"token_budget": token_budget})
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
-    done = writer.manifest["shards"]
-    if progress:
+    every = writer.manifest["shards"]
+    done = {k: e for k, e in every.items() if e.get("pass", 0) == pass_id}
+    if progress and progress.n == 0:
         progress.update(writer.manifest["response_tokens"])
     # each shard records the prompt range it answered, so a resumed run may use another shard size
     legacy = writer.manifest["settings"].get("shard_prompts", settings.shard_prompts)
     first = max((e.get("first", int(k) * legacy) + e.get("prompts", legacy) for k, e in done.items()), default=0)
-    index = len(done)
+    index = len(every)
     while first < len(prompts) and writer.manifest["response_tokens"] < token_budget:
         shard = prompts[first: first + settings.shard_prompts]
         t0 = time.perf_counter()
         sequences, n_resp = [], 0
         results = generate_batch(target, [ids for _, ids in shard], settings.max_new_tokens,
-                                 rows=settings.batch_size, max_prompt=settings.max_prompt_tokens)
+                                 rows=settings.batch_size, max_prompt=settings.max_prompt_tokens,
+                                 temperature=temperature if pass_id else 0.0, seed=1_000_003 * pass_id + index)
         for (pid, ids), (resp, feats) in zip(shard, results):
             seq = ids + resp
-            sequences.append({"id": pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
+            sequences.append({"id": f"{pid}#s{pass_id}" if pass_id else pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
                               "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
             n_resp += len(resp)
         if progress:
             progress.update(n_resp)
-        writer.write(index, sequences, n_resp, time.perf_counter() - t0, first=first, prompts=len(shard))
+        writer.write(index, sequences, n_resp, time.perf_counter() - t0, first=first, prompts=len(shard),
+                     pass_id=pass_id)
         first, index = first + len(shard), index + 1
     return writer.manifest
 

@@ -76,7 +76,8 @@ def stage_data(args, out: Path, target) -> None:
     log = StageLog(out, "data")
     if args.tiny:
         records = [PromptRecord(str(i), "tiny", t) for i, t in enumerate(TINY_PROMPTS)]
-        budget, settings = 600, GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8)
+        budget = 600 * (1 + max(0, getattr(args, "sampled_answers", 0) or 0))
+        settings = GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8)
     else:
         records, report = read_prompts(Path(args.prompts))
         log.info(f"prompts: {args.prompts}: {report.describe()}")
@@ -85,11 +86,53 @@ def stage_data(args, out: Path, target) -> None:
         settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     log.info(f"{len(records)} prompts after rebalancing; greedy responses up to {settings.max_new_tokens} tokens; "
              f"budget {budget} response tokens")
+    passes = _sampled_passes(args, records)
     with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
         manifest = run_generation(target, records, out / "data", settings, budget, progress=bar)
+        for k, mix in enumerate(passes, start=1):
+            log.info(f"sampled pass {k}: {len(mix)} prompts at temperature {args.temperature}")
+            manifest = run_generation(target, mix, out / "data", settings, budget, progress=bar, pass_id=k,
+                                      temperature=args.temperature)
     log.info(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens, "
              f"{len(manifest['shards'])} shards, generation wall {manifest['wall_s']:.0f} s")
     log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
+
+
+def parse_sample_sources(spec: str | None, available: set[str]) -> dict[str, int | None]:
+    """``"a,b:300"`` -> {"a": None, "b": 300}; None = every source but the capped math and code."""
+    from ddspec.train.data import DEFAULT_CAPS
+
+    if spec is None:
+        return {s: None for s in sorted(available - set(DEFAULT_CAPS))}
+    out: dict[str, int | None] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, cap = item.partition(":")
+        if name not in available:
+            raise DdspecError(f"--sample-sources: no prompts from source {name!r}; the prompt file has "
+                              f"{', '.join(sorted(available))}")
+        if cap and not (cap.isdigit() and int(cap) > 0):
+            raise DdspecError(f"--sample-sources: bad cap {cap!r} for {name} (a positive whole number)")
+        out[name] = int(cap) if cap else None
+    if not out:
+        raise DdspecError("--sample-sources is empty: name at least one source")
+    return out
+
+
+def _sampled_passes(args, records) -> list:
+    """The prompt mix of each sampled pass (a different order per pass)."""
+    from ddspec.train.data import balanced_mix
+
+    n = getattr(args, "sampled_answers", 0) or 0
+    if n < 0:
+        raise DdspecError(f"--sampled-answers must be 0 or more, not {n}")
+    if not n:
+        return []
+    if not args.temperature > 0:
+        raise DdspecError(f"--temperature must be above 0 for sampled answers, not {args.temperature}")
+    sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
+    chosen = [r for r in records if r.source in sources]
+    caps = {s: c for s, c in sources.items() if c is not None}
+    return [balanced_mix(chosen, caps=caps, seed=k) for k in range(1, n + 1)]
 
 
 def stage_layers(args, out: Path, target) -> None:
