@@ -144,13 +144,14 @@ def test_ttt_mask_pattern():
     assert m.any(dim=1).all()  # no query row without a key
 
 
-def test_training_time_test_passes_reproduce_the_engines_draft_nodes():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_training_time_test_passes_reproduce_the_engines_draft_nodes(layers):
     """Pass k of the training-time test computes exactly what drafting computes at depth k - 1."""
     from ddspec.draft.checkpoint import random_head
     from ddspec.models.tiny import tiny_config
     from ddspec.train.trainer import ttt_passes
 
-    head = random_head(tiny_config().to_dict(), seed=3, std=0.05).eval()
+    head = random_head(tiny_config().to_dict(), seed=3, std=0.05, layers=layers).eval()
     t, h = 12, head.hidden_size
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (t + 1,))

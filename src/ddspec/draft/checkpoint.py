@@ -1,10 +1,11 @@
 """Reading and writing draft heads in the public EAGLE-1/2 layout (DESIGN.md §5).
 
-A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers: 1``, optional ``bias``)
+A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers`` (1 in the public heads), optional ``bias``)
 and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight`` [H, 2H] (+ ``fc.bias``),
 ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight`` and
 ``layers.0.post_attention_layernorm.weight``; ``embed_tokens.weight`` is optional (else the
-target's is used). Our heads may add a ``d2t`` tensor (reduced draft vocabulary) and keep
+target's is used). A head of more layers adds ``layers.i.*`` for each, with
+``layers.i.input_layernorm.weight`` (the EAGLE repository's draft model does the same). Our heads may add a ``d2t`` tensor (reduced draft vocabulary) and keep
 their provenance under the config key ``"ddspec"``; other engines ignore both.
 """
 
@@ -23,15 +24,15 @@ OPTIONAL_KEYS = {"embed_tokens.weight", "d2t", "t2d", "fc.bias"}
 IGNORED_KEYS = {"t2d"}
 
 
-def head_config_for(target_config: dict, *, bias: bool = True) -> dict:
-    """A head config.json for a target (its family's hyper-parameters, one layer)."""
+def head_config_for(target_config: dict, *, bias: bool = True, layers: int = 1) -> dict:
+    """A head config.json for a target (its family's hyper-parameters, ``layers`` decoder layers)."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
             "vocab_size", "attention_bias", "hidden_act", "model_type")
     cfg = {k: target_config[k] for k in keep if k in target_config}
     family = cfg.get("model_type", "llama")
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    cfg.update(num_hidden_layers=1, bias=bias, architectures=[arch.get(family, "LlamaForCausalLM")])
+    cfg.update(num_hidden_layers=layers, bias=bias, architectures=[arch.get(family, "LlamaForCausalLM")])
     return cfg
 
 
@@ -52,8 +53,10 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def _check_compatible(cfg: dict, target: ModelInfo, folder: Path) -> None:
     if "draft_vocab_size" in cfg or cfg.get("architectures", [""])[0].endswith("Eagle3"):
         raise ModelLoadError(f"{folder} is an EAGLE-3 head; ddspec loads EAGLE-1/2 heads so far")
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ModelLoadError(f"{folder}: an EAGLE-1/2 head has 1 layer, this config says {cfg['num_hidden_layers']}")
+    n_layers = cfg.get("num_hidden_layers", 1)
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 1 <= n_layers <= 8:
+        raise ModelLoadError(f"{folder}: num_hidden_layers must be a whole number from 1 to 8 for a draft head, "
+                             f"this config says {n_layers!r}")
     for key, mine in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
         if key in cfg and cfg[key] != mine:
             raise ModelLoadError(
@@ -117,11 +120,11 @@ def save_head(head: EagleHead, folder: str | Path, metadata: dict | None = None)
 
 
 def random_head(target_config: dict, seed: int = 0, std: float = 0.02,
-                fuse_layers: tuple[int, ...] = ()) -> EagleHead:
+                fuse_layers: tuple[int, ...] = (), layers: int = 1) -> EagleHead:
     """A randomly initialised head for a target (tests, and a starting point for training); a fusion
     of target layers (``fuse_layers``) starts at zero."""
     torch.manual_seed(seed)
-    cfg = head_config_for(target_config)
+    cfg = head_config_for(target_config, layers=layers)
     if fuse_layers:
         cfg["fuse_layers"] = list(fuse_layers)
     head = EagleHead(cfg)
@@ -134,3 +137,13 @@ def random_head(target_config: dict, seed: int = 0, std: float = 0.02,
             elif name.endswith("bias"):
                 p.zero_()
     return head
+
+
+def add_identity_layers(head: EagleHead, earlier: EagleHead) -> None:
+    """Warm start a deeper ``head`` from a shallower ``earlier`` one: copy every weight ``earlier``
+    has, and zero the output projections (``o_proj``, ``down_proj``) of the layers it lacks, so the
+    new layers start as the identity and ``head`` computes exactly what ``earlier`` does."""
+    with torch.no_grad():
+        for i in range(len(earlier.layers), len(head.layers)):
+            head.layers[i].self_attn.o_proj.weight.zero_()
+            head.layers[i].mlp.down_proj.weight.zero_()

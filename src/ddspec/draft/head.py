@@ -3,7 +3,9 @@
 At position t the head reads ``x = fc(cat(embed(token_{t+1}), f_t))`` and runs one decoder
 layer of the target's family (without its first RMSNorm, as in the public checkpoints), giving
 ``f̂_{t+1}``; the target's own ``lm_head`` turns that into logits for token t+2. ``embed`` and
-``lm_head`` are the target's, frozen and shared (a checkpoint may carry its own embed).
+``lm_head`` are the target's, frozen and shared (a checkpoint may carry its own embed). A head
+may stack more decoder layers (config ``num_hidden_layers``): every layer after the first has an
+``input_layernorm``, as in the EAGLE repository's multi-layer draft model.
 
 The module's parameter names are exactly the EAGLE-1/2 checkpoint keys (``fc.weight``,
 ``layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is the checkpoint layout. One
@@ -61,8 +63,10 @@ class HeadMLP(nn.Module):
 
 
 class HeadLayer(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, first: bool = True) -> None:
         super().__init__()
+        if not first:  # EAGLE's layout: every layer but the first normalises its input
+            self.input_layernorm = RMSNormWeight(arch.hidden_size)
         self.self_attn = HeadAttention(arch)
         self.mlp = HeadMLP(arch)
         self.post_attention_layernorm = RMSNormWeight(arch.hidden_size)
@@ -72,10 +76,11 @@ class EagleHead(nn.Module):
     def __init__(self, config: dict, *, own_embedding: bool = False, draft_vocab: int | None = None) -> None:
         super().__init__()
         self.config = dict(config)
-        self.arch = LlamaArch.from_hf_config({**config, "num_hidden_layers": 1})
+        n_layers = int(config.get("num_hidden_layers", 1))
+        self.arch = LlamaArch.from_hf_config({**config, "num_hidden_layers": n_layers})
         h = self.arch.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=bool(config.get("bias", True)))
-        self.layers = nn.ModuleList([HeadLayer(self.arch)])
+        self.layers = nn.ModuleList([HeadLayer(self.arch, first=i == 0) for i in range(n_layers)])
         if own_embedding:
             self.embed_tokens = nn.Embedding(self.arch.vocab_size, h)
         if draft_vocab is not None:
@@ -119,7 +124,7 @@ class EagleHead(nn.Module):
     def new_cache(self, max_length: int) -> StaticKVCache:
         p = self.fc.weight
         a = self.arch
-        return StaticKVCache(1, a.num_kv_heads, a.head_dim, max_length, dtype=p.dtype, device=p.device)
+        return StaticKVCache(len(self.layers), a.num_kv_heads, a.head_dim, max_length, dtype=p.dtype, device=p.device)
 
     # -- forward -------------------------------------------------------------------------
     def forward(
@@ -129,25 +134,28 @@ class EagleHead(nn.Module):
         positions: torch.Tensor,  # [N] or [B, N] the positions t
         mask: torch.Tensor | None = None,  # [B or 1, 1, N, T] bool; None = causal (no cache) / all (cache)
         cache: StaticKVCache | None = None,  # written at slots [length, length + N) when given
-        attend=None,  # training-time test: (k, v) [B, nkv, N, D] -> the keys/values to attend over
+        attend=None,  # training-time test: (layer, k, v) [B, nkv, N, D] -> the keys/values to attend over
     ) -> torch.Tensor:
         """Predicted features f̂_{t+1}: [B, N, H]."""
-        a, layer = self.arch, self.layers[0]
+        a = self.arch
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, N, H]
-        attn = layer.self_attn
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if attend is not None:
             pass  # the caller's keys and mask (see ddspec.train.trainer.ttt_passes)
         elif cache is None:
             n = x.shape[1]
             if mask is None:
                 mask = torch.ones(n, n, dtype=torch.bool, device=x.device).tril_().view(1, 1, n, n)
-            attend = lambda k_, v_: (k_, v_)  # noqa: E731
+            attend = lambda i, k_, v_: (k_, v_)  # noqa: E731
         else:
-            attend = lambda k_, v_: cache.write(0, k_, v_)  # noqa: E731
-        x = x + attn.o_proj(attention(q, k, v, a, self.rotary(), positions, attend, mask))
+            attend = cache.write
+        rotary = self.rotary()
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            xn = x if i == 0 else rms_norm(x, layer.input_layernorm.weight, a.rms_eps)
+            q, k, v = attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)
+            x = x + attn.o_proj(attention(q, k, v, a, rotary, positions, lambda k_, v_, i=i: attend(i, k_, v_), mask))
+            hn = rms_norm(x, layer.post_attention_layernorm.weight, a.rms_eps)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(hn)) * mlp.up_proj(hn))
         if cache is not None:
             cache.advance(q.shape[1])
-        mlp = layer.mlp
-        hn = rms_norm(x, layer.post_attention_layernorm.weight, a.rms_eps)
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(hn)) * mlp.up_proj(hn))
+        return x

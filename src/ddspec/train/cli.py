@@ -85,6 +85,10 @@ def add_parser(sub) -> None:
                         "positions (after EAGLE-3). Needs the `layers` stage, which runs the target over the "
                         "data once more up to the deepest of them. With --init-from a plain head, the fusion "
                         "starts at zero, i.e. exactly at that head")
+    g.add_argument("--head-layers", type=int, default=0, metavar="N",
+                   help="decoder layers in the head (default: as the --init-from head, else 1). More layers "
+                        "than the --init-from head has start as the identity, so the deeper head begins "
+                        "exactly at the earlier one; each layer costs draft time at every draft depth")
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)

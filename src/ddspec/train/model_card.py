@@ -42,6 +42,9 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
     size_mb = sum(f.stat().st_size for f in dest.glob("*.safetensors")) / 1e6
     fused = _load(dest / "config.json").get("fuse_layers") or []
     fuse_flag = f" --fuse-layers {','.join(map(str, fused))}" if fused else ""
+    depth = int(_load(dest / "config.json").get("num_hidden_layers", 1))
+    if depth > 1:
+        fuse_flag += f" --head-layers {depth}"
     lines = [
         f"# EAGLE-1/2 draft head for {target.info.name}",
         "",
@@ -51,6 +54,9 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
         *([f"Fused features: the head also reads the target's residual stream at the inputs of layers {fused}",
            "(`fuse_layers` in config.json, tensor `fuse.weight`); this is ddspec's extension, which plain",
            "EAGLE-1/2 loaders do not know."] if fused else []),
+        *([f"Depth: {depth} decoder layers (`num_hidden_layers`; `layers.0` .. `layers.{depth - 1}`, every layer after",
+           "the first with an `input_layernorm`, as the EAGLE repository's draft model builds them)."]
+          if depth > 1 else []),
         "",
         "## Data",
         f"- prompts: `../shared/data/train/prompts.jsonl`, GSM8K and code capped at 1500 each, sources interleaved",

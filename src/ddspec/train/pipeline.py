@@ -153,21 +153,30 @@ def stage_layers(args, out: Path, target) -> None:
     log.finish(layers=list(layers), shards=len(state["shards"]))
 
 
-def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None, fuse_layers: tuple[int, ...] = ()):
-    from ddspec.draft.checkpoint import load_head, random_head
+def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None, fuse_layers: tuple[int, ...] = (),
+              layers: int = 0):
+    """The head to train: random, or warm-started from ``init_from``. ``layers`` = 0 keeps the
+    earlier head's depth (1 for a random head); more layers than it has start as the identity."""
+    from ddspec.draft.checkpoint import add_identity_layers, load_head, random_head
     from ddspec.train.trainer import draft_vocabulary
 
-    head = random_head(target.hf_config, seed=0, fuse_layers=fuse_layers)
-    if init_from:  # the layer weights of an earlier head; its draft vocabulary is not carried over
-        earlier = load_head(init_from, target.info)
+    earlier = load_head(init_from, target.info) if init_from else None
+    depth = layers or (len(earlier.layers) if earlier is not None else 1)
+    head = random_head(target.hf_config, seed=0, fuse_layers=fuse_layers, layers=depth)
+    if earlier is not None:  # the layer weights of an earlier head; its draft vocabulary is not carried over
         if earlier.fuse_layers and earlier.fuse_layers != fuse_layers:
             raise DdspecError(f"--init-from {init_from} fuses layers {list(earlier.fuse_layers)}; "
                               f"pass --fuse-layers {','.join(map(str, earlier.fuse_layers))}")
+        if len(earlier.layers) > depth:
+            raise DdspecError(f"--init-from {init_from} has {len(earlier.layers)} layers; --head-layers {depth} "
+                              f"cannot hold it (pass --head-layers {len(earlier.layers)} or more)")
         weights = {k: v.float() for k, v in earlier.state_dict().items() if k != "d2t"}
         missing, unexpected = head.load_state_dict(weights, strict=False)
-        if unexpected or set(missing) - {"d2t", "fuse.weight"}:
+        new_layers = {k for k in missing if k.startswith("layers.") and int(k.split(".")[1]) >= len(earlier.layers)}
+        if unexpected or set(missing) - {"d2t", "fuse.weight"} - new_layers:
             raise DdspecError(f"--init-from {init_from}: that head does not fit this target's head "
                               f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+        add_identity_layers(head, earlier)
     if draft_vocab:
         ids = draft_vocabulary(sequences, draft_vocab, target.info.vocab_size)
         head.register_buffer("d2t", ids - torch.arange(ids.numel()))
@@ -209,12 +218,15 @@ def stage_fit(args, out: Path, target) -> None:
                           "hold out fewer (0 = none)")
     sequences, val = split_validation(sequences, settings.val_sequences)
     init_from = getattr(args, "init_from", None)
-    head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers)
+    head_layers = getattr(args, "head_layers", 0) or 0
+    if not 0 <= head_layers <= 8:
+        raise DdspecError(f"--head-layers must be from 1 to 8 (0 = as --init-from, else 1), got {head_layers}")
+    head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers)
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
     elif init_from:
-        log.info(f"warm start from the weights of {init_from}")
+        log.info(f"warm start from the weights of {init_from} ({len(head.layers)}-layer head)")
     log.info(f"{len(sequences)} sequences, {len(trainer.batches)} batches per epoch, {trainer.total_steps} steps; "
              f"settings {settings}")
     with tqdm(total=trainer.total_steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr,

@@ -95,13 +95,13 @@ def ttt_passes(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, n_
     """Predicted features of passes 1..n_passes, each [B, T, H] (pass k+1 reads pass k's output)."""
     t = embeds.shape[1]
     positions = torch.arange(t, device=embeds.device)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
+    keys: list[list[torch.Tensor]] = [[] for _ in head.layers]  # per head layer, per pass
+    values: list[list[torch.Tensor]] = [[] for _ in head.layers]
 
-    def attend(k_, v_):
-        keys.append(k_)
-        values.append(v_)
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    def attend(layer, k_, v_):
+        keys[layer].append(k_)
+        values[layer].append(v_)
+        return torch.cat(keys[layer], dim=2), torch.cat(values[layer], dim=2)
 
     outs, inp = [], features
     for k in range(1, n_passes + 1):
