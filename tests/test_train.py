@@ -23,6 +23,8 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     r = evals["head"]["tiny"]
     assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
     assert r["by_category"]["tiny"]["prompts"] == 4 and abs(r["by_category"]["tiny"]["tau"] - r["tau"]) < 1e-9
+    assert r["tau_steps"] > 0 and r["tau"] == r["tau_tokens"] / r["tau_steps"]
+    assert f"tau {r['tau']:.3f} ({r['tau_tokens']} tokens in {r['tau_steps']} steps)" in (out / "eval.log").read_text()
     card = (out / "export" / "README.md").read_text()
     assert "τ" in card and "Reproduce" in card
     cfg = json.loads((out / "export" / "config.json").read_text())

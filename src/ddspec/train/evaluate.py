@@ -100,6 +100,8 @@ def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeC
         "by_category": {c: {**e, "tau": e["tokens"] / max(1, e["steps"])} for c, e in by_category.items()},
         "prompts": len(prompts),
         "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),
+        "tau_tokens": sum(s.accepted + 1 for s in steps),
+        "tau_steps": len(steps),
         "depth_acceptance": depth_acceptance(runs),
         "tokens_per_s": tokens / wall if wall else 0.0,
         "plain_tokens_per_s": tokens / plain_wall if plain_wall else 0.0,

@@ -87,7 +87,7 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
     for variant, sets in evals.items():
         for name, r in sets.items():
             acc = ", ".join(f"{x:.2f}" for x in r["depth_acceptance"][:8])
-            lines.append(f"| {variant} | {name} | {r['prompts']} | {r['tau']:.2f} | {acc} | "
+            lines.append(f"| {variant} | {name} | {r['prompts']} | {r['tau']:.3f} | {acc} | "
                          f"{r['draft_ms_per_step']:.1f} | {r['identical_to_plain']} |")
     lines += ["", "## Reproduce", "", "```", f"ddspec train all --out {run}{fuse_flag}  # then: ddspec train export --to {dest}", "```", ""]
     path = dest / "README.md"

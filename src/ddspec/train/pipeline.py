@@ -284,12 +284,14 @@ def stage_eval(args, out: Path, target) -> None:
             for name, prompts in sets.items():
                 r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name])
                 results.setdefault(vname, {})[name] = r
-                log.info(f"{vname} {name} ({len(prompts)} prompts): tau {r['tau']:.2f}, depth acceptance "
+                # three places and the counts: a τ of 2.995 must not print as 3.00
+                log.info(f"{vname} {name} ({len(prompts)} prompts): tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
+                         f"{r['tau_steps']} steps), depth acceptance "
                          f"{[round(x, 2) for x in r['depth_acceptance']]}, draft {r['draft_ms_per_step']:.1f} ms/step, "
                          f"identical {r['identical_to_plain']}")
                 if len(r["by_category"]) > 1:
                     log.info(f"{vname} {name} tau by category: "
-                             + ", ".join(f"{c} {e['tau']:.2f}" for c, e in r["by_category"].items()))
+                             + ", ".join(f"{c} {e['tau']:.3f}" for c, e in r["by_category"].items()))
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     log.finish()
 
