@@ -8,6 +8,14 @@ Token bookkeeping (DESIGN.md §1): the *root* is the newest chosen token whose o
 forward has not run yet. It is emitted as soon as it is chosen; a step then runs the root and
 its drafted descendants through the target, emits the accepted ones and the bonus token, and
 the bonus token becomes the next root. A step therefore emits ``accepted + 1`` tokens.
+
+Prefix reuse (``Engine(..., reuse_prefix=True)``): the engine remembers which tokens its
+target's KV cache holds after a generation. The next prompt keeps the longest common prefix of
+the caches and prefills only the rest (a follow-up chat turn runs only its new tokens). The
+head's entry at position t reads (f_t, token_{t+1}), so a drafter keeps one position less than
+the common prefix with (held tokens + the last root); the target is cut at the same place and
+re-runs from there, which also gives a fused head the target layers it reads. Outputs are the
+same with and without reuse.
 """
 
 from __future__ import annotations
@@ -37,8 +45,19 @@ class StepStats:
 
 
 @dataclass(slots=True)
+class StepTrace:
+    """The verified tree of one step, for display (``stream(..., trace=True)`` only)."""
+
+    tokens: list[int]  # [N] node tokens, tokens[0] = the root
+    parents: list[int]  # [N] parents[0] = -1
+    scores: list[float]  # [N] draft log-probability of the path to each node
+    path: list[int]  # node indices of the accepted path, root first
+
+
+@dataclass(slots=True)
 class RunStats:
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt positions whose KV came from the previous generation (reuse_prefix)
     new_tokens: int = 0
     prefill_s: float = 0.0
     wall_s: float = 0.0  # whole generation call, prefill included
@@ -67,6 +86,7 @@ class Chunk:
     token_ids: list[int]  # tokens decided by this step (possibly empty near a stop)
     text: str  # printable text added by them (may lag by a partial UTF-8 character)
     step: StepStats | None  # None for the prefill's first token
+    tree: StepTrace | None = None  # the step's tree and accepted path, when asked for (trace=True)
 
 
 @dataclass(slots=True)
@@ -145,9 +165,17 @@ class Engine:
         target: TargetModel,
         drafter: Drafter | None = None,
         sampling: SamplingConfig = SamplingConfig(),
+        reuse_prefix: bool = False,
     ) -> None:
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.method = "vanilla" if drafter is None else type(drafter).__name__
+        self.reuse_prefix = reuse_prefix
+        # what the caches hold after the last generation: the target's tokens, the last root (the
+        # head's newest entry reads it) and the drafter that holds the head entries; None = unknown
+        self._held: list[int] | None = None
+        self._held_root = -1
+        self._held_drafter: Drafter | None = None
+
 
     # -- helpers -------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -167,9 +195,50 @@ class Engine:
             )
         return min(stop.max_new_tokens, window - prompt_len)
 
+    # -- prefix reuse --------------------------------------------------------------------
+    def _reusable(self, prompt_ids: list[int]) -> int:
+        """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
+        held = self._held
+        if not self.reuse_prefix or held is None or self._held_drafter is not self.drafter:
+            return 0
+        if self.target.cache_length != len(held):  # someone else ran the target meanwhile
+            return 0
+        seq = held + [self._held_root] if self.drafter else held
+        n = 0
+        for a, b in zip(seq, prompt_ids):
+            if a != b:
+                break
+            n += 1
+        if self.drafter:
+            n -= 1  # the head's entry at n - 1 read token n, which must match too
+        return max(0, min(n, len(prompt_ids) - 1))  # the last prompt token always runs (its logits)
+
+    def _restore(self, prompt_ids: list[int], max_length: int) -> int:
+        """Make the caches ready for ``prompt_ids``; return how many positions they keep."""
+        keep = self._reusable(prompt_ids)
+        self._held = None  # unknown until this generation has committed something
+        if keep:
+            self.target.reserve(max_length)
+            self.target.truncate(keep)
+            if self.drafter:
+                self.drafter.resume(max_length, keep)
+        else:
+            self.target.reset(max_length)
+            if self.drafter:
+                self.drafter.reset(max_length)
+        return keep
+
+    def _remember(self, held: list[int], root: int) -> None:
+        self._held, self._held_root, self._held_drafter = held, root, self.drafter
+
+
     # -- the loop ------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig()) -> Iterator[Chunk]:
-        """Generate after ``prompt_ids``, yielding chunks; returns the RunStats (StopIteration.value)."""
+    def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False) -> Iterator[Chunk]:
+        """Generate after ``prompt_ids``, yielding chunks; returns the RunStats (StopIteration.value).
+
+        trace: attach each step's tree and accepted path to its chunk (for display; costs host syncs).
+        Closing the generator between chunks stops the generation and leaves the engine ready.
+        """
         t0 = time.perf_counter()
         stats = RunStats(prompt_tokens=len(prompt_ids))
         if not prompt_ids:
@@ -181,16 +250,18 @@ class Engine:
         tree_room = self.drafter.max_tree_size if self.drafter else 1
         hidden_layers = self.drafter.hidden_layers if self.drafter else ()
 
-        # 1. Prefill: run the prompt, choose the first root, let the drafter take the prompt in.
-        prompt = torch.tensor(prompt_ids, dtype=torch.long)
-        self.target.reset(len(prompt_ids) + budget + tree_room)
-        out = self.target.forward(prompt, torch.arange(len(prompt_ids)), None, hidden_layers)
+        # 1. Prefill: run the prompt (past what the caches keep, with reuse_prefix), choose the
+        #    first root, let the drafter take the prompt in.
+        start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
+        prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
+        out = self.target.forward(prompt, torch.arange(start, len(prompt_ids)), None, hidden_layers)
         root = self._choose(out.logits[-1], generator)
         if self.drafter:
-            self.drafter.reset(len(prompt_ids) + budget + tree_room)
             self.drafter.prefill(prompt, out, root)
         stats.prefill_s = time.perf_counter() - t0
         emitted = [int(root)]
+        held = list(prompt_ids)  # the tokens whose KV the target holds
+        self._remember(held, emitted[0])
         finish = self._finish(emitted, eos, budget)
         yield Chunk(emitted[:], text.add(emitted[:]), None)
 
@@ -210,18 +281,22 @@ class Engine:
                 self.drafter.observe(tree, verdict, out)
             t_done = time.perf_counter()
             # 5. Emit: the accepted drafted tokens and the bonus token (the next root).
+            accepted = tree.tokens[verdict.path[1:]].tolist()
+            held += [self._held_root] + accepted
             root = verdict.bonus
-            new = tree.tokens[verdict.path[1:]].tolist() + [int(root)]
+            new = accepted + [int(root)]
+            self._remember(held, new[-1])
             step = StepStats(
                 verdict.accepted, tree.size, (t_verify - t_draft) * 1e3, (t_done - t_verify) * 1e3,
                 int(tree.depths.max()),
             )
             stats.steps.append(step)
+            shown = self._trace(tree, verdict) if trace else None
             new = new[: budget - len(emitted)]
             new = self._cut_at_eos(new, eos)
             emitted += new
             finish = self._finish(emitted, eos, budget)
-            yield Chunk(new, text.add(new), step)
+            yield Chunk(new, text.add(new), step, shown)
 
         tail = text.flush()
         if tail:
@@ -230,6 +305,10 @@ class Engine:
         stats.finish_reason = "stop_string" if text.stopped else finish
         stats.wall_s = time.perf_counter() - t0
         return stats
+
+    @staticmethod
+    def _trace(tree: DraftTree, verdict: Verdict) -> StepTrace:
+        return StepTrace(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(), verdict.path.tolist())
 
     @staticmethod
     def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:

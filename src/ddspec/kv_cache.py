@@ -66,6 +66,16 @@ class StaticKVCache:
         self.length = base + n_keep
         self.pending = 0
 
+    def reserve(self, max_length: int) -> None:
+        """Make room for ``max_length`` slots, keeping the committed entries (prefix reuse)."""
+        if max_length <= self.max_length:
+            return
+        keys = self.keys.new_zeros(self.keys.shape[:3] + (max_length,) + self.keys.shape[4:])
+        values = torch.zeros_like(keys)
+        keys[:, :, :, : self.length] = self.keys[:, :, :, : self.length]
+        values[:, :, :, : self.length] = self.values[:, :, :, : self.length]
+        self.keys, self.values = keys, values
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")

@@ -27,8 +27,13 @@ class Drafter(Protocol):
     def reset(self, max_length: int) -> None:
         """Start a new sequence with room for ``max_length`` positions."""
 
+    def resume(self, max_length: int, length: int) -> None:
+        """Continue a sequence whose first ``length`` committed positions stay (prefix reuse), with
+        room for ``max_length`` positions; prefill() then takes in the prompt from ``length`` on."""
+
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
-        """Take in the prompt [P], the target's prefill output, and the first root token."""
+        """Take in the prompt [P] (from the first position not kept), the target's prefill output
+        over it, and the first root token."""
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
         """A draft tree whose node 0 is ``root`` (at absolute ``position``)."""

@@ -4,7 +4,8 @@ State between steps: the head's KV cache holds one entry per committed position,
 the target's *true* features (DESIGN.md §2.6), and ``root_hidden`` is the head's prediction
 f̂ at the current root, whose lm_head gives the root's children. During drafting, entries for
 tree nodes are appended after the committed ones; ``observe`` drops them and recomputes the
-newly committed positions from the verification forward's features.
+newly committed positions from the verification forward's features. With prefix reuse
+(``resume``) the entries of a kept prefix stay and ``prefill`` computes only the positions after it.
 
 Head input pairs: the entry at position t reads (f_t, token_{t+1}). A tree node at depth L
 (token at position root + L) is run as (f̂ of its parent, its token) at position root + L - 1,
@@ -134,6 +135,11 @@ class EagleDrafter:
             self.cache = self.head.new_cache(need)
         self.cache.truncate(0)
         self._committed = 0
+
+    def resume(self, max_length: int, length: int) -> None:
+        self.cache.reserve(max_length + self._max_draft_slots())
+        self.cache.truncate(length)
+        self._committed = length
 
     @torch.inference_mode()
     def _committed_features(self, target_out: TargetOutput, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,6 +29,9 @@ class OracleDrafter:
     def reset(self, max_length: int) -> None:
         pass
 
+    def resume(self, max_length: int, length: int) -> None:
+        pass
+
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
         pass
 
@@ -53,6 +56,9 @@ class RandomDrafter:
         return self.size
 
     def reset(self, max_length: int) -> None:
+        pass
+
+    def resume(self, max_length: int, length: int) -> None:
         pass
 
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:

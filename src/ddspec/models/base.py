@@ -65,6 +65,9 @@ class TargetModel(Protocol):
     ) -> TargetOutput:
         """Run the new tokens; their KV lands in slots [cache_length, cache_length + N)."""
 
+    def reserve(self, max_length: int) -> None:
+        """Make room for ``max_length`` positions, keeping the cached ones (prefix reuse)."""
+
     def commit(self, keep: torch.Tensor) -> None:
         """Keep the last forward's entries at indices ``keep`` [a] (ascending), drop the rest."""
 

@@ -34,6 +34,10 @@ class HFTarget:
         self.cache = DynamicCache(config=self.model.config)
         self.length = self.pending = 0
 
+    def reserve(self, max_length: int) -> None:
+        if self.cache is None:  # a DynamicCache grows by itself
+            self.reset(max_length)
+
     def _layers(self):
         return self.cache.layers
 

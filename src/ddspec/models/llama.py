@@ -225,6 +225,11 @@ class NativeLlama:
             )
         self.cache.truncate(0)
 
+    def reserve(self, max_length: int) -> None:
+        if self.cache is None:
+            self.reset(max_length)
+        self.cache.reserve(max_length)
+
     def commit(self, keep: torch.Tensor) -> None:
         self.cache.keep(keep)
 
