@@ -58,3 +58,73 @@ def test_tree_and_verify_sources_import_only_torch_stdlib_and_allowed_ddspec_mod
                 or _is_under(name, ALLOWED_DDSPEC)
             )
             assert allowed, f"{path.relative_to(PACKAGE)} imports {name}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """ddspec module -> the ddspec modules it imports anywhere in its source (lazy imports too)."""
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for imported in _imports(path):
+            while imported and imported not in files:  # `from ddspec.x import y` with y not a module
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                deps.add(imported)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    """Lazy (function-level) imports count: a cycle of them is still a tangle (calibrate, cli,
+    commands and methods once imported each other in a circle)."""
+    graph = _module_graph()
+    assert {"ddspec.cli", "ddspec.args", "ddspec.commands", "ddspec.methods", "ddspec.calibrate"} <= set(graph)
+    assert _cycles(graph) == []
+
+
+def test_cycle_detection_finds_a_planted_cycle():
+    graph = _module_graph()
+    graph["ddspec.calibrate"] = graph["ddspec.calibrate"] | {"ddspec.cli"}
+    assert any("ddspec.calibrate" in c and "ddspec.cli" in c for c in _cycles(graph))
+
+
+def test_argument_definitions_reach_no_command():
+    graph = _module_graph()
+    for low in ("ddspec.args", "ddspec.methods", "ddspec.calibrate"):
+        assert not graph[low] & {"ddspec.cli", "ddspec.commands"}, f"{low} imports a command module"

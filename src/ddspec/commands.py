@@ -5,40 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from ddspec.config import SamplingConfig, StopConfig, TreeConfig
+from ddspec.args import EXAMPLE_PROMPT, DTYPES, sampling_from_args, setup_torch, stop_from_args, tree_from_args
+from ddspec.config import StopConfig
 from ddspec.engine import Engine, RunStats
-from ddspec.errors import ConfigError, DdspecError
+from ddspec.errors import DdspecError
 from ddspec.prompts import chat_prompt_ids
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
-    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k, seed=args.seed)
-
-
-def stop_from_args(args: argparse.Namespace) -> StopConfig:
-    return StopConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
-
-
-def setup_torch(args: argparse.Namespace) -> None:
-    if args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DdspecError(f"--device {args.device}: this torch build sees no CUDA GPU; use --device cpu")
-    try:
-        torch.device(args.device)
-    except RuntimeError as e:
-        raise DdspecError(f"--device {args.device!r} is not a torch device: {e}") from e
-
-
-def tree_from_args(args: argparse.Namespace) -> TreeConfig:
-    return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens,
-                      ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
-                      max_depth=args.max_depth)
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -100,8 +71,6 @@ def stream_answer(engine: Engine, prompt_ids: list[int], stop: StopConfig) -> tu
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None:
-        from ddspec.cli import EXAMPLE_PROMPT
-
         prompt = EXAMPLE_PROMPT if sys.stdin.isatty() or sys.stdin.closed else sys.stdin.read().strip() or EXAMPLE_PROMPT
     engine = build_engine(args)
     tok = engine.target.tokenizer
@@ -144,7 +113,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print_summary(stats, engine.method)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ddspec.calibrate import CostStore, cost_key, describe, load_or_measure
+    from ddspec.draft.eagle import EagleDrafter
+    from ddspec.methods import resolve_head, tree_config
+    from ddspec.models.loading import load_target
+
+    tree = tree_from_args(args)
+    setup_torch(args)
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    drafter = EagleDrafter(resolve_head(args.head, target), target, tree_config("eagle2", tree))
+    if args.show:
+        store = CostStore(cost_key(target, drafter.head, drafter.cfg.top_k))
+        m = store.read()
+        if m is None:
+            print(f"no cost entry for {target.info.name} with this head, device, dtype, threads and top_k "
+                  f"(would be {store.path}): run `ddspec calibrate`", file=sys.stderr)
+            return 1
+        print(describe(m, store.path))
+        return 0
+    m, store = load_or_measure(target, drafter, refresh=args.refresh)
+    print(f"cost model for {target.info.name} (top_k {tree.top_k}):")
+    print(describe(m, store.path))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate}
 
 
 def run_command(args: argparse.Namespace) -> int:

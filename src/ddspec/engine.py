@@ -42,6 +42,9 @@ class StepStats:
     draft_ms: float
     verify_ms: float  # target forward + acceptance decision
     depth: int = 0  # deepest level of the proposed tree
+    gap_ms: float = 0.0  # time since the previous step outside draft and verify (emitting, the consumer)
+    predicted_tokens: float = 0.0  # what the cost-aware method expected this step to emit (0: no prediction)
+    predicted_ms: float = 0.0  # ... and to take
 
 
 @dataclass(slots=True)
@@ -166,8 +169,10 @@ class Engine:
         drafter: Drafter | None = None,
         sampling: SamplingConfig = SamplingConfig(),
         reuse_prefix: bool = False,
+        clock=time.perf_counter,
     ) -> None:
-        self.target, self.drafter, self.sampling = target, drafter, sampling
+        """clock: seconds as a float (time.perf_counter); tests inject a deterministic one."""
+        self.target, self.drafter, self.sampling, self.clock = target, drafter, sampling, clock
         self.method = "vanilla" if drafter is None else type(drafter).__name__
         self.reuse_prefix = reuse_prefix
         # what the caches hold after the last generation: the target's tokens, the last root (the
@@ -175,7 +180,6 @@ class Engine:
         self._held: list[int] | None = None
         self._held_root = -1
         self._held_drafter: Drafter | None = None
-
 
     # -- helpers -------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -231,7 +235,6 @@ class Engine:
     def _remember(self, held: list[int], root: int) -> None:
         self._held, self._held_root, self._held_drafter = held, root, self.drafter
 
-
     # -- the loop ------------------------------------------------------------------------
     def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False) -> Iterator[Chunk]:
         """Generate after ``prompt_ids``, yielding chunks; returns the RunStats (StopIteration.value).
@@ -239,7 +242,8 @@ class Engine:
         trace: attach each step's tree and accepted path to its chunk (for display; costs host syncs).
         Closing the generator between chunks stops the generation and leaves the engine ready.
         """
-        t0 = time.perf_counter()
+        clock = self.clock
+        t0 = clock()
         stats = RunStats(prompt_tokens=len(prompt_ids))
         if not prompt_ids:
             raise DdspecError("the prompt is empty: give at least one token of input")
@@ -258,19 +262,20 @@ class Engine:
         root = self._choose(out.logits[-1], generator)
         if self.drafter:
             self.drafter.prefill(prompt, out, root)
-        stats.prefill_s = time.perf_counter() - t0
+        stats.prefill_s = clock() - t0
         emitted = [int(root)]
         held = list(prompt_ids)  # the tokens whose KV the target holds
         self._remember(held, emitted[0])
         finish = self._finish(emitted, eos, budget)
         yield Chunk(emitted[:], text.add(emitted[:]), None)
+        t_done = clock()
 
         while not finish and not text.stopped:
             # 2. Draft: a tree rooted at the newest chosen token.
-            t_draft = time.perf_counter()
+            t_draft = clock()
             position = self.target.cache_length
             tree = self.drafter.propose(root, position) if self.drafter else DraftTree.root_only(root)
-            t_verify = time.perf_counter()
+            t_verify = clock()
             # 3. Verify: one target forward over the whole tree, then the acceptance rule.
             mask = tree.attention_mask() if tree.size > 1 else None
             out = self.target.forward(tree.tokens, tree.positions(position), mask, hidden_layers)
@@ -279,7 +284,7 @@ class Engine:
             self.target.commit(verdict.path)
             if self.drafter:
                 self.drafter.observe(tree, verdict, out)
-            t_done = time.perf_counter()
+            gap_ms, t_done = (t_draft - t_done) * 1e3, clock()
             # 5. Emit: the accepted drafted tokens and the bonus token (the next root).
             accepted = tree.tokens[verdict.path[1:]].tolist()
             held += [self._held_root] + accepted
@@ -288,8 +293,9 @@ class Engine:
             self._remember(held, new[-1])
             step = StepStats(
                 verdict.accepted, tree.size, (t_verify - t_draft) * 1e3, (t_done - t_verify) * 1e3,
-                int(tree.depths.max()),
+                int(tree.depths.max()), gap_ms,
             )
+            self._learn_costs(step)
             stats.steps.append(step)
             shown = self._trace(tree, verdict) if trace else None
             new = new[: budget - len(emitted)]
@@ -303,8 +309,18 @@ class Engine:
             yield Chunk([], tail, None)
         stats.new_tokens = len(emitted)
         stats.finish_reason = "stop_string" if text.stopped else finish
-        stats.wall_s = time.perf_counter() - t0
+        stats.wall_s = clock() - t0
         return stats
+
+    def _learn_costs(self, step: StepStats) -> None:
+        """Hand the step's timing to a drafter that learns from it, and record its prediction."""
+        observe = getattr(self.drafter, "observe_step", None)
+        if observe is None:
+            return
+        predicted = self.drafter.prediction
+        if predicted is not None:
+            step.predicted_tokens, step.predicted_ms = predicted
+        observe(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
 
     @staticmethod
     def _trace(tree: DraftTree, verdict: Verdict) -> StepTrace:

@@ -100,14 +100,27 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
 
 
 def cost_aware_drafter(head, target, cfg: TreeConfig):
-    """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs."""
-    from ddspec.calibrate import load_or_measure
+    """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs.
+
+    The costs come from the calibration cache (measured on first use); the policy corrects them
+    from the step times it observes and, when they disagree persistently with the cached entry,
+    writes what it learned back to the cache (with a one-line notice)."""
+    import sys
+
+    from ddspec.calibrate import Measurement, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
 
     probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))
-    cost, _ = load_or_measure(target, probe)
-    policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=cfg.max_depth, max_tokens=cfg.total_tokens)
+    calibration, store = load_or_measure(target, probe)
+
+    def persist(learned) -> None:
+        if store.write(Measurement(learned, spread=0.0, source="learned")):
+            print(f"ddspec: the measured step costs differ from the cached calibration; updated {store.path}",
+                  file=sys.stderr)
+
+    policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
+                             max_tokens=cfg.total_tokens, persist=persist)
     return EagleDrafter(head, target, cfg, cost_policy=policy)
 
 

@@ -37,7 +37,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
-    from ddspec.cli import add_model_args, add_tree_args
+    from ddspec.args import add_model_args, add_tree_args
 
     p = sub.add_parser("tune", help="grid-search the best static tree (depth, top_k, total_tokens)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,7 +71,7 @@ def grid(depths, top_ks, sizes) -> list[tuple[int, int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from ddspec.bench.prompts import load_prompts
-    from ddspec.commands import DTYPES, setup_torch, tree_from_args
+    from ddspec.args import DTYPES, setup_torch, tree_from_args
     from ddspec.config import StopConfig
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.engine import Engine

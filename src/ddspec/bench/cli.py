@@ -26,7 +26,7 @@ DEFAULT_OUT = "bench-results"
 
 def add_parser(sub) -> None:
     from ddspec.bench.runner import method_names
-    from ddspec.cli import add_model_args, add_sampling_args, add_tree_args
+    from ddspec.args import add_model_args, add_sampling_args, add_tree_args
 
     p = sub.add_parser(
         "bench", allow_abbrev=False, help="benchmark every method side by side (tokens/s, speedup, τ, losslessness, plots)",
@@ -95,7 +95,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _hf_model(args: argparse.Namespace, target):
     """The HF transformers model for the hf arms: the target's own when it is an HF target."""
-    from ddspec.commands import DTYPES
+    from ddspec.args import DTYPES
     from ddspec.models.hf_adapter import HFTarget
     from ddspec.models.loading import load_target
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ddspec.bench.prompts import load_prompts
     from ddspec.bench.report import render_table, write_summary
     from ddspec.bench.runner import Bench, RecordLog, build_arms, check_run_dir, parse_methods
-    from ddspec.commands import DTYPES, sampling_from_args, setup_torch, tree_from_args
+    from ddspec.args import DTYPES, sampling_from_args, setup_torch, tree_from_args
     from ddspec.config import StopConfig
     from ddspec.models.loading import load_target
 

