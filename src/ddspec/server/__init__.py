@@ -1,0 +1,8 @@
+"""``ddspec serve``: an OpenAI-compatible HTTP server around one engine, and a chat page that
+draws each step's draft tree.
+
+protocol.py  request shapes and checks (OpenAI's errors)      worker.py  the engine's one thread
+app.py       routes, SSE, auth, the page                       metrics.py Prometheus metrics
+build.py     make_service (target -> running worker), LiveServer (uvicorn in a thread)
+cli.py       ``ddspec serve`` flags                             bench.py   ``ddspec bench-serve``
+"""

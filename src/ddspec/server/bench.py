@@ -1,0 +1,276 @@
+"""``ddspec bench-serve``: load on the OpenAI server, and what prefix reuse saves a chat.
+
+1. Throughput and latency: for each method (per request, through ``"ddspec": {"method": M}``) and
+   each concurrency level, ``--requests`` streaming chat requests (first turns of the prompt
+   file, greedy) are sent by that many concurrent clients; reported: requests/s, generated
+   tokens/s, p50/p99 latency, p50 time to first token, τ.
+2. Prefix reuse: a three-turn chat (a prompt's two turns, then ``FOLLOW_UP``) is answered; then,
+   ``--reuse-trials`` times, turn 2 is sent again (which puts the history in the caches) and
+   turn 3 is timed to its first token with reuse, then without (``"prefix_reuse": false``).
+
+The server runs in this process on a free loopback port (or pass ``--url`` to measure a running
+one). Clients are threads with plain ``http.client``, which cost little next to decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+FOLLOW_UP = "Summarise everything you said so far in three sentences."
+DEFAULT_PROMPTS = "../shared/data/eval/mt_bench.jsonl"
+
+
+@dataclass(slots=True)
+class Sample:
+    latency_s: float
+    ttft_s: float
+    tokens: int
+    tau: float
+    prompt_tokens: int
+    reused_tokens: int
+    prefill_ms: float
+    text: str
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None = None) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def get(self, path: str) -> dict:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request("GET", path, headers=self.headers)
+            resp = conn.getresponse()
+            return json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def chat(self, messages: list[dict], max_tokens: int, method: str | None = None,
+             prefix_reuse: bool = True) -> Sample:
+        """One streaming chat request, timed; raises on any status but 200."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "ddspec": {"prefix_reuse": prefix_reuse}}
+        if method:
+            body["ddspec"]["method"] = method
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=3600)
+        try:
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            ttft, usage, text = None, None, []
+            for line in resp:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for choice in obj.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece:
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        text.append(piece)
+            latency = time.perf_counter() - t0
+        finally:
+            conn.close()
+        if usage is None:
+            raise RuntimeError("the stream ended without usage")
+        d = usage["ddspec"]
+        return Sample(latency, ttft if ttft is not None else latency, usage["completion_tokens"], d["tau"],
+                      usage["prompt_tokens"], d["reused_prompt_tokens"], d["prefill_ms"], "".join(text))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def load_run(client: Client, method: str, concurrency: int, prompts: list[str], requests: int,
+             max_tokens: int) -> dict:
+    """``requests`` chat requests by ``concurrency`` client threads; returns the aggregate row."""
+    todo = iter(range(requests))
+    lock = threading.Lock()
+    samples: list[Sample] = []
+    errors: list[str] = []
+
+    def client_loop():
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                s = client.chat([{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens, method)
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                with lock:
+                    errors.append(str(e))
+                continue
+            with lock:
+                samples.append(s)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(s.tokens for s in samples)
+    lat = [s.latency_s for s in samples] or [float("nan")]
+    return {"method": method, "concurrency": concurrency, "requests": len(samples), "errors": len(errors),
+            "wall_s": round(wall, 2), "requests_per_s": round(len(samples) / wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(statistics.median(lat), 2),
+            "p99_latency_s": round(percentile(lat, 0.99), 2),
+            "p50_ttft_s": round(statistics.median([s.ttft_s for s in samples] or [float("nan")]), 3),
+            "tau": round(statistics.mean([s.tau for s in samples] or [float("nan")]), 3),
+            "first_error": errors[0] if errors else ""}
+
+
+def reuse_run(client: Client, method: str, turns: tuple[str, str], max_tokens: int, trials: int) -> dict:
+    """Time to first token of a chat's third turn, with and without prefix reuse."""
+    history: list[dict] = []
+    for text in turns:
+        history.append({"role": "user", "content": text})
+        answer = client.chat(history, max_tokens, method)
+        history.append({"role": "assistant", "content": answer.text})
+    turn2, turn3 = history[:3], history + [{"role": "user", "content": FOLLOW_UP}]
+    warm, cold = [], []
+    for _ in range(trials):
+        client.chat(turn2, max_tokens, method)  # the history is in the caches again
+        warm.append(client.chat(turn3, 1, method))
+        cold.append(client.chat(turn3, 1, method, prefix_reuse=False))
+    w, c = statistics.median(s.ttft_s for s in warm), statistics.median(s.ttft_s for s in cold)
+    return {"method": method, "history_tokens": warm[0].prompt_tokens, "reused_tokens": warm[0].reused_tokens,
+            "ttft_reuse_s": round(w, 3), "ttft_cold_s": round(c, 3), "ratio": round(w / c, 3),
+            "prefill_reuse_ms": round(statistics.median(s.prefill_ms for s in warm), 1),
+            "prefill_cold_ms": round(statistics.median(s.prefill_ms for s in cold), 1), "trials": trials}
+
+
+def report(rows: list[dict], reuse: dict, header: str) -> str:
+    lines = [header, "", "| method | concurrency | requests | req/s | tokens/s | p50 latency s | p99 latency s | "
+                         "p50 TTFT s | τ | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} | "
+                     f"{r['p50_ttft_s']:.3f} | {r['tau']:.2f} | {r['errors']} |")
+    if reuse:
+        lines += ["", f"Third chat turn ({reuse['history_tokens']} prompt tokens, {reuse['reused_tokens']} kept by "
+                      f"prefix reuse; method {reuse['method']}; median of {reuse['trials']}): time to first token "
+                      f"{reuse['ttft_reuse_s']:.3f} s with reuse, {reuse['ttft_cold_s']:.3f} s without "
+                      f"({reuse['ratio']:.0%}); prefill {reuse['prefill_reuse_ms']:.0f} ms vs "
+                      f"{reuse['prefill_cold_ms']:.0f} ms."]
+    return "\n".join(lines) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_bench_parser(sub) -> None:
+    from ddspec.args import add_model_args, add_tree_args
+
+    p = sub.add_parser("bench-serve", help="load benchmark of `ddspec serve` (throughput, latency, prefix reuse)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default="vanilla,ddspec",
+                   help="methods to compare, comma-separated (default vanilla,ddspec)")
+    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="concurrent clients (default 1,4,16)")
+    p.add_argument("--requests", type=int, default=16, help="requests per method and concurrency (default 16)")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"JSONL prompt file (default {DEFAULT_PROMPTS})")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per load request (default 128)")
+    p.add_argument("--chat-max-tokens", type=int, default=512,
+                   help="tokens per answer of the reuse chat's first two turns (default 512)")
+    p.add_argument("--reuse-trials", type=int, default=3, help="timed third turns, each way (default 3; 0 = skip)")
+    p.add_argument("--url", default=None, help="measure a running server instead of starting one")
+    p.add_argument("--api-key", default=None, help="the running server's key (with --url)")
+    p.add_argument("--out", default=None, help="folder for summary.md and results.json")
+    add_model_args(p)
+    add_tree_args(p)
+    p.set_defaults(handler=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ddspec.bench.prompts import load_prompt_file
+    from ddspec.errors import DdspecError
+    from ddspec.methods import split_method
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        split_method(m)
+    if args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0:
+        raise DdspecError("--requests, --max-tokens and --chat-max-tokens must be >= 1, --reuse-trials >= 0")
+    prompts = load_prompt_file(args.prompts)
+    firsts = [p.turns[0] for p in prompts]
+    two_turns = next((p.turns[:2] for p in prompts if len(p.turns) >= 2), None)
+    if two_turns is None and args.reuse_trials:
+        raise DdspecError(f"{args.prompts} has no prompt with two turns, which the prefix-reuse chat needs")
+    live = None
+    if args.url is None:
+        live = _start_server(args, methods)
+        url = live.url
+    else:
+        url = args.url
+    try:
+        client = Client(url, args.api_key)
+        health = client.get("/health")
+        rows = []
+        for method in methods:
+            client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter (may calibrate)
+            for c in args.concurrency:
+                rows.append(load_run(client, method, c, firsts, args.requests, args.max_tokens))
+                r = rows[-1]
+                print(f"[bench-serve] {method} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
+                      f"tokens/s, p50 {r['p50_latency_s']:.2f} s, p99 {r['p99_latency_s']:.2f} s, "
+                      f"errors {r['errors']}", file=sys.stderr)
+        reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials) \
+            if args.reuse_trials else {}
+    finally:
+        if live is not None:
+            live.stop()
+    header = (f"ddspec bench-serve: model {health['model']}, prompts {args.prompts} (first turns, greedy, "
+              f"{args.max_tokens} tokens), {args.requests} requests per row, {time.strftime('%Y-%m-%d %H:%M')}")
+    text = report(rows, reuse, header)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(text)
+        (out / "results.json").write_text(json.dumps({"rows": rows, "reuse": reuse, "args": {
+            k: v for k, v in vars(args).items() if k != "handler" and k != "api_key"}}, indent=2, default=str))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _start_server(args: argparse.Namespace, methods: list[str]):
+    from ddspec.args import DTYPES, setup_torch, tree_from_args
+    from ddspec.models.loading import load_target
+    from ddspec.server.build import LiveServer, make_service
+
+    setup_torch(args)
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    service = make_service(target, method=methods[0], head=args.head, tree=tree_from_args(args),
+                           max_queue=max(args.concurrency) + 1)
+    return LiveServer(service).start()
+

@@ -1,0 +1,93 @@
+"""Putting a server together around a loaded target, and running it in a background thread.
+
+``make_service`` is what ``ddspec serve`` does after loading the model (tests and
+``ddspec bench-serve`` call it with their own targets); ``LiveServer`` runs uvicorn in a thread
+on a free loopback port, for tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from ddspec.config import SamplingConfig, TreeConfig
+from ddspec.engine import Engine
+from ddspec.errors import DdspecError
+from ddspec.methods import METHODS, default_method, shipped_head, split_method
+from ddspec.server.app import ServerConfig, Service, create_app
+from ddspec.server.worker import EngineWorker, tree_drafter_factory
+
+
+def make_service(target, *, method: str = "auto", head: str | None = None, tree: TreeConfig = TreeConfig(),
+                 sampling: SamplingConfig = SamplingConfig(), max_tokens: int = 256, api_key: str | None = None,
+                 max_queue: int = 16, max_body_bytes: int = 1 << 20, prefix_reuse: bool = True,
+                 model_name: str | None = None) -> Service:
+    """A started worker and its Service; the default method's drafter is built here (a missing head
+    or a calibration fails now, not at the first request)."""
+    if max_tokens < 1:
+        raise DdspecError(f"--max-new-tokens must be >= 1, got {max_tokens}")
+    has_head = head is not None or shipped_head(target.info.name) is not None
+    methods = METHODS if has_head else ("vanilla",)
+    method = default_method(target, head) if method == "auto" else method
+    if split_method(method)[0] not in methods:
+        raise DdspecError(f"--method {method} needs a draft head, and {target.info.name} has none: pass --head "
+                          "FOLDER or use --method vanilla")
+    engine = Engine(target, reuse_prefix=prefix_reuse)
+    worker = EngineWorker(engine, tree_drafter_factory(target, head, tree), method, max_queue)
+    worker.drafter(method)
+    config = ServerConfig(model_name=model_name or served_name(target.info.name), methods=methods, tree=tree,
+                          sampling=sampling, max_tokens=max_tokens, api_key=api_key or None,
+                          max_body_bytes=max_body_bytes, prefix_reuse=prefix_reuse)
+    service = Service(worker, config)
+    worker.start()
+    return service
+
+
+def served_name(name: str) -> str:
+    """The model id clients use: the model's name, or a local folder's last part."""
+    return name.rstrip("/").rsplit("/", 1)[-1] or name
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving ``service`` in a daemon thread; ``with LiveServer(service) as url: ...``."""
+
+    def __init__(self, service: Service, host: str = "127.0.0.1", port: int | None = None) -> None:
+        import uvicorn
+
+        self.service = service
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(create_app(service), host=self.host, port=self.port, log_level="warning",
+                                lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="ddspec-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.service.worker.stop()
+
+    def __enter__(self) -> str:
+        return self.start().url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

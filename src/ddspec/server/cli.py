@@ -1,0 +1,101 @@
+"""``ddspec serve`` (the OpenAI-compatible server) and ``ddspec bench-serve`` (its load benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+from ddspec.args import DTYPES, add_model_args, add_sampling_args, add_spec_args, sampling_from_args, setup_torch, \
+    tree_from_args
+
+API_KEY_ENV = "DDSPEC_API_KEY"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with a chat page that shows the draft tree",
+        description="Serve one model over the OpenAI API (POST /v1/chat/completions, /v1/completions, "
+                    "streaming or not; GET /v1/models, /health, /metrics) and a chat page at /. Model, head and "
+                    "method are chosen as in `ddspec generate`; a request may pick another method with the extra "
+                    "body field {\"ddspec\": {\"method\": \"eagle2\"}}. The decoding flags below are the defaults "
+                    "for what a request leaves out (so requests without a temperature are greedy).")
+    add_server_args(p)
+    add_model_args(p)
+    add_sampling_args(p, stop_strings=False, title="request defaults")
+    add_spec_args(p)
+    p.set_defaults(handler=cmd_serve)
+
+    from ddspec.server.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: ${API_KEY_ENV}, "
+                        "else no key)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model's name, or its folder's name)")
+    g.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait or run at once; more get 429 with Retry-After (default 16)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger ones get 413 (default 1 MiB)")
+    g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="prefill every prompt from scratch (default: keep the KV of the longest common prefix "
+                        "with the previous request, e.g. a chat's history)")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ddspec.errors import DdspecError
+
+    if not 0 < args.port < 65536:
+        raise DdspecError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_body_bytes < 1024:
+        raise DdspecError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"ddspec serve: warning: listening on {args.host} without an API key: anyone who can reach this "
+              f"port can use the model. Pass --api-key KEY (or set {API_KEY_ENV}).", file=sys.stderr)
+    sampling, tree = sampling_from_args(args), tree_from_args(args)
+    setup_torch(args)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise DdspecError(f"ddspec serve needs {e.name}: pip install 'ddspec[serve]' (fastapi, uvicorn, "
+                          "prometheus_client)") from None
+
+    from ddspec.models.loading import load_target
+    from ddspec.server.app import create_app
+    from ddspec.server.build import make_service
+
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    service = make_service(target, method=args.method, head=args.head, tree=tree, sampling=sampling,
+                           max_tokens=args.max_new_tokens, api_key=args.api_key, max_queue=args.max_queue,
+                           max_body_bytes=args.max_body_bytes, prefix_reuse=args.prefix_reuse,
+                           model_name=args.served_model_name)
+    cfg = service.config
+    print(f"ddspec serve: {cfg.model_name} ({service.worker.default_method}) on http://{args.host}:{args.port} "
+          f"- chat page at /, OpenAI API at /v1" + (", API key required" if cfg.api_key else ""), file=sys.stderr)
+    try:
+        uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        service.worker.stop()
+    return 0

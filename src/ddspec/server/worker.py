@@ -1,0 +1,181 @@
+"""One engine, one thread: generations run one at a time, in the order they were admitted.
+
+The engine is not re-entrant (its target and drafters hold one sequence's KV caches), so a
+single worker thread owns it, its tokenizer and its drafters; request handlers only put
+:class:`Job`s into a bounded queue and read the job's events. Beyond the bound a request is
+refused at once (429), never queued without limit.
+
+A job's events reach the handler's event loop through ``call_soon_threadsafe``:
+``("chunk", Chunk)``, then ``("done", RunStats)``, or ``("error", ApiError)``. A handler that
+loses its client calls :meth:`Job.cancel`; the worker checks it before every decoding step and
+closes the engine's stream, so the generation stops within one step and the engine is free.
+Drafters are built on first use of each method (a tree method loads the draft head once, and
+every drafter shares the one target), so a per-request method costs nothing until it is asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ddspec.config import SamplingConfig, StopConfig, TreeConfig
+from ddspec.engine import Engine
+from ddspec.errors import DdspecError
+from ddspec.server.protocol import ApiError
+
+log = logging.getLogger("ddspec.server")
+
+
+@dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    stop: StopConfig
+    sampling: SamplingConfig
+    method: str
+    prefix_reuse: bool
+    trace: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted: float = field(default_factory=time.perf_counter)
+    release: object = None  # set by EngineWorker.submit: frees the job's place in the queue bound
+    released: bool = False
+
+    def cancel(self) -> None:
+        """Stop the job (idempotent): a waiting job is skipped, a running one stops before its next step."""
+        self.cancelled.set()
+        if self.release is not None:
+            self.release(self)
+
+    def send(self, kind: str, payload) -> None:
+        """From the worker thread: hand an event to the handler's loop (dropped if that loop closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:
+            pass
+
+
+class EngineWorker:
+    """Runs jobs on one engine in a daemon thread; at most ``max_queue`` jobs wait or run."""
+
+    def __init__(self, engine: Engine, make_drafter, default_method: str, max_queue: int = 16,
+                 on_step=None) -> None:
+        """make_drafter(method) -> a drafter or None (vanilla); on_step(StepStats) is called per step."""
+        if max_queue < 1:
+            raise DdspecError(f"--max-queue must be >= 1, got {max_queue}")
+        self.engine, self._make_drafter, self.default_method = engine, make_drafter, default_method
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._admit = threading.Lock()
+        self._depth = 0  # jobs admitted, neither finished nor cancelled (waiting + running)
+        self._drafters: dict[str, object] = {}
+        self.busy = False
+        self.mean_job_s = 1.0  # running mean of job durations (for Retry-After)
+        self._thread = threading.Thread(target=self._run, name="ddspec-engine", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def drafter(self, method: str):
+        """The drafter for ``method`` (built on first use; call from the worker thread or before start)."""
+        if method not in self._drafters:
+            self._drafters[method] = self._make_drafter(method)
+        return self._drafters[method]
+
+    # -- admission ------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise a 429 ApiError when ``max_queue`` jobs are already waiting or running."""
+        with self._admit:
+            if self._depth >= self.max_queue:
+                retry = max(1, round(self.mean_job_s * self._depth))
+                raise ApiError(429, f"the server is busy: {self._depth} requests are queued or running (at most "
+                                    f"{self.max_queue}); retry in about {retry} s", kind="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(retry)})
+            self._depth += 1
+        job.release = self._release
+        self._queue.put(job)
+
+    def _release(self, job: Job) -> None:
+        """Give back a job's place (once): when it finishes, or when its client cancels it."""
+        with self._admit:
+            if not job.released:
+                job.released = True
+                self._depth -= 1
+
+    # -- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                if not job.cancelled.is_set():
+                    self.busy = True
+                    self._generate(job)
+            except ApiError as e:
+                job.send("error", e)
+            except DdspecError as e:
+                job.send("error", ApiError(400, str(e)))
+            except Exception as e:  # a bug: answer 500, keep serving (the engine re-prefills when unsure)
+                log.exception("generation failed")
+                job.send("error", ApiError(500, f"internal error during generation: {type(e).__name__}: {e}",
+                                           kind="server_error"))
+            finally:
+                self.busy = False
+                self._release(job)
+                if not job.cancelled.is_set():
+                    self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
+
+    def _generate(self, job: Job) -> None:
+        engine = self.engine
+        engine.drafter = self.drafter(job.method)
+        engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
+        stream = engine.stream(job.prompt_ids, job.stop, trace=job.trace)
+        try:
+            while not job.cancelled.is_set():
+                try:
+                    chunk = next(stream)
+                except StopIteration as done:
+                    job.send("done", done.value)
+                    return
+                if chunk.step is not None and self.on_step is not None:
+                    self.on_step(chunk.step)
+                job.send("chunk", chunk)
+        finally:
+            stream.close()  # a cancelled job stops here, between two steps
+
+
+def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
+    """make_drafter(method) for EngineWorker: loads the draft head once, on the first tree method."""
+    from ddspec.methods import make_drafter, resolve_head, tree_config
+
+    head = None
+
+    def build(method: str):
+        nonlocal head
+        if tree_config(method, tree) is None:
+            return None
+        if head is None:
+            head = resolve_head(head_spec, target)
+        return make_drafter(method, target, head, tree)
+
+    return build

@@ -1,0 +1,112 @@
+"""The commands: ``ddspec serve`` (a real process) and ``ddspec bench-serve`` (on a tiny model)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="ddspec serve needs the 'serve' extra (fastapi, uvicorn, prometheus_client)")
+
+from ddspec.cli import main  # noqa: E402
+from ddspec.server.build import free_port  # noqa: E402
+from ddspec.server.cli import is_loopback  # noqa: E402
+
+
+def wait_for_health(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "ddspec serve did not start"
+        time.sleep(0.2)
+
+
+def test_ddspec_serve_warns_off_loopback_without_a_key(tiny_dirs):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "DDSPEC_API_KEY"}
+    cmd = [sys.executable, "-m", "ddspec.cli", "serve", "--model", str(tiny_dirs["llama"]), "--method", "vanilla",
+           "--host", "0.0.0.0", "--port", str(port), "--log-level", "warning", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for_health(port, proc)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "abc", "max_tokens": 3}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "warning: listening on 0.0.0.0 without an API key" in err
+    assert "Traceback" not in err
+
+
+def test_ddspec_serve_takes_the_key_from_the_environment(tiny_dirs):
+    port = free_port()
+    env = {**os.environ, "DDSPEC_API_KEY": "from-env"}
+    cmd = [sys.executable, "-m", "ddspec.cli", "serve", "--model", str(tiny_dirs["llama"]), "--method", "vanilla",
+           "--port", str(port), "--log-level", "warning", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for_health(port, proc)
+        for key, status in ((None, 401), ("wrong", 401), ("from-env", 200)):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+            assert conn.getresponse().status == status
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "warning" not in err and "API key required" in err
+
+
+def test_user_errors_are_one_line(tiny_dirs, capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.org")
+    model = str(tiny_dirs["llama"])
+    assert main(["serve", "--model", model, "--port", "0"]) == 2
+    assert "--port must be in 1..65535" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--method", "ddd"]) == 2
+    assert "needs a draft head" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--method", "ddd", "--head", "/no/such/head"]) == 2
+    assert "/no/such/head" in capsys.readouterr().err
+    assert main(["bench-serve", "--model", model, "--methods", "warp"]) == 2
+    assert "unknown method 'warp'" in capsys.readouterr().err
+
+
+def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "test", "turns": turns}) for i, turns in
+                                 enumerate([["Tell me about the sea.", "Shorter."], ["Count to five."]])) + "\n")
+    out = tmp_path / "bench"
+    status = main(["bench-serve", "--model", str(tiny_dirs["llama"]), "--head", "random:1", "--methods",
+                   "vanilla,eagle2@d3k2n4", "--concurrency", "1,3", "--requests", "3", "--max-tokens", "8",
+                   "--chat-max-tokens", "40", "--reuse-trials", "2", "--prompts", str(prompts), "--out", str(out),
+                   "--threads", "1"])
+    assert status == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = results["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [
+        ("vanilla", 1), ("vanilla", 3), ("eagle2@d3k2n4", 1), ("eagle2@d3k2n4", 3)]
+    for r in rows:
+        assert r["requests"] == 3 and r["errors"] == 0 and r["tokens_per_s"] > 0
+        assert r["p99_latency_s"] >= r["p50_latency_s"] > 0 and r["requests_per_s"] > 0
+    reuse = results["reuse"]
+    assert reuse["method"] == "eagle2@d3k2n4" and reuse["history_tokens"] > 60
+    # the tiny tokenizer spells its <extra_N> tokens as text, so the history re-tokenizes differently
+    # after the first one the model emits: only the common prefix (at least the first turn) is kept
+    assert 20 < reuse["reused_tokens"] < reuse["history_tokens"]
+    assert reuse["ttft_reuse_s"] > 0 and reuse["ttft_cold_s"] > 0
+    summary = (out / "summary.md").read_text()
+    assert "| vanilla | 3 | 3 |" in summary and "Third chat turn" in summary
+    assert summary in capsys.readouterr().out
