@@ -3,6 +3,8 @@ caches do not hold, and every output, step and drafted tree is the same as witho
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -24,7 +26,19 @@ def drafter_for(target, method: str, fuse: tuple[int, ...] = ()):
     if fuse:
         with torch.no_grad():
             head.fuse.weight.normal_(0.0, 0.05)
-    return EagleDrafter(head.eval().requires_grad_(False), target, tree_config(method, SMALL))
+    head, cfg = head.eval().requires_grad_(False), tree_config(method, SMALL)
+    if cfg.depth_policy != "cost":
+        return EagleDrafter(head, target, cfg)
+    from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, linear_cost
+
+    cost = CostModel(linear_cost(2.0, 0.05), draft_root_ms=0.1, draft_level_ms=0.2, other_ms=0.1)
+    policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=cfg.max_depth, max_tokens=cfg.total_tokens)
+    return EagleDrafter(head, target, cfg, cost_policy=policy)
+
+
+def ticking_clock():
+    """A deterministic clock (the cost-aware method learns from step times): 1 ms per reading."""
+    return itertools.count(0.0, 1e-3).__next__
 
 
 def run_chat(engine: Engine, stop: StopConfig) -> list[dict]:
@@ -55,15 +69,15 @@ def run_chat(engine: Engine, stop: StopConfig) -> list[dict]:
 
 CASES = [("llama", "native", "vanilla", ()), ("llama", "native", "eagle2", ()), ("llama", "native", "chain", ()),
          ("llama", "native", "eagle", ()), ("llama", "native", "eagle2", (1,)), ("mistral", "hf", "eagle2", ()),
-         ("qwen2", "native", "vanilla", ())]
+         ("qwen2", "native", "vanilla", ()), ("llama", "native", "ddspec", ()), ("llama", "native", "ddspec", (1,))]
 
 
 @pytest.mark.parametrize("family, impl, method, fuse", CASES)
 def test_three_turn_chat_is_identical_with_and_without_reuse(tiny_targets, family, impl, method, fuse):
     target = tiny_targets[(family, impl)]
     stop = StopConfig(max_new_tokens=24)
-    cold = run_chat(Engine(target, drafter_for(target, method, fuse)), stop)
-    warm = run_chat(Engine(target, drafter_for(target, method, fuse), reuse_prefix=True), stop)
+    cold = run_chat(Engine(target, drafter_for(target, method, fuse), clock=ticking_clock()), stop)
+    warm = run_chat(Engine(target, drafter_for(target, method, fuse), reuse_prefix=True, clock=ticking_clock()), stop)
     for c, w in zip(cold, warm):
         assert w["prompt"] == c["prompt"]
         assert w["out"] == c["out"]

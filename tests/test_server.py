@@ -236,6 +236,9 @@ def chat_body(live, **extra) -> dict:
     (b"{not json", 400, r"not valid JSON"),
     (b"[1, 2]", 400, r"must be a JSON object, got list"),
     (b"\xff\xfe", 400, r"not valid JSON"),
+    (b"[" * 60_000, 400, r"not valid JSON: nested too deeply"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, r"NaN is not a JSON value"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 2**70}, 422, r"seed: Input should be less than"),
     ({"messages": "hello"}, 422, r"messages"),
     ({"messages": []}, 422, r"messages: List should have at least 1 item"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 422, r"messages\.0\.role"),
@@ -293,6 +296,11 @@ def test_context_overflow_names_both_numbers(live, client):
     r = client.completions.create(model=model_of(live), prompt="x" * 300, max_tokens=4,
                                   extra_body={"ddspec": {"method": "vanilla"}})
     assert r.usage.prompt_tokens == 300
+    for method, room in (("eagle2", TREE.depth - 1), ("ddd", TREE.max_depth - 1), ("vanilla", 0)):
+        # right at the limit: the deepest draft still fits the window (no error, every token generated)
+        r = client.completions.create(model=model_of(live), prompt="y" * 480, max_tokens=window - room - 480,
+                                      extra_body={"ddspec": {"method": method}})
+        assert r.usage.completion_tokens == window - room - 480 or r.choices[0].finish_reason == "stop"
 
 
 def test_oversized_body_is_413(live):

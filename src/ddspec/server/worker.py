@@ -103,6 +103,8 @@ class EngineWorker:
     # -- admission ------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 429 ApiError when ``max_queue`` jobs are already waiting or running."""
+        if not self.alive:
+            raise ApiError(503, "the engine's worker thread has stopped: restart the server", kind="server_error")
         with self._admit:
             if self._depth >= self.max_queue:
                 retry = max(1, round(self.mean_job_s * self._depth))
