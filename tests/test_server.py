@@ -332,6 +332,18 @@ def test_disconnect_mid_stream_frees_the_engine(live, client, reference):
     assert text == reference(reference.tokenizer.encode("abc"), 10).text
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_engine(live):
+    wait_idle(live)
+    conn = http.client.HTTPConnection(live.host, live.port, timeout=0.5)
+    body = {"model": model_of(live), "prompt": "abc", "max_tokens": 450, "ddspec": {"method": "vanilla"}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    with pytest.raises(TimeoutError):
+        conn.getresponse()
+    assert live.service.worker.busy  # generating...
+    conn.close()  # ... for a client that is gone
+    assert wait_idle(live, timeout=5) < 2.0
+
+
 def test_queue_bound_answers_429_with_retry_after(tiny_dir):
     server = start(tiny_dir, max_queue=1, method="vanilla")
     try:

@@ -31,7 +31,8 @@ async function loadHealth() {
     $("key-label").hidden = !h.auth;
     const select = $("method");
     select.innerHTML = "";
-    for (const m of h.methods) {
+    const methods = h.methods.includes(h.method) ? h.methods : [h.method, ...h.methods];  // e.g. eagle2@d3k2n3
+    for (const m of methods) {
       const o = document.createElement("option");
       o.value = o.textContent = m;
       if (m === h.method) o.selected = true;
