@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m ddspec.bench.target --out docs/bench_target.md
+	$(PY) -m ddspec.bench.target --repeats 3 --out docs/bench_target.md
 
 clean:
 	rm -rf $(VENV)

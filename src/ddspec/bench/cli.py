@@ -158,7 +158,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # 2. Models and arms.
     setup_torch(args)
     target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
-    arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target))
+    arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target), args.model,
+                      args.threads)
     meta = _meta(args, parser, methods, target)
     # 3. The run; records.jsonl grows one flushed line per finished generation.
     log = RecordLog(out, settings, args.resume)

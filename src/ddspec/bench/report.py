@@ -117,6 +117,17 @@ def time_split(records: list[Record]) -> dict[str, float | None]:
     return {"draft": draft / tokens, "verify": verify / tokens, "other": max(wall - draft - verify, 0.0) / tokens}
 
 
+def forecast(records: list[Record]) -> dict[str, float] | None:
+    """The cost-aware method's forecast against what its decoding steps measured: tokens/s over the
+    decoding steps only (prefill excluded on both sides). None for methods that forecast nothing."""
+    rs = [r for r in records if r.get("predicted_ms")]
+    if not rs:
+        return None
+    steps_tokens = sum(sum(r["accept_lengths"]) for r in rs)
+    return {"predicted_tokens_per_s": 1e3 * sum(r["predicted_tokens"] for r in rs) / sum(r["predicted_ms"] for r in rs),
+            "measured_tokens_per_s": 1e3 * steps_tokens / sum(r["step_ms"] for r in rs)}
+
+
 def losslessness(records: list[Record], baseline: list[Record]) -> tuple[int, int]:
     """(k, n): n pairs answered by both, k of them with identical output ids."""
     ref = {record_key(r): r["output_ids"] for r in baseline}
@@ -137,6 +148,7 @@ def method_metrics(records: list[Record], baseline: list[Record] | None, greedy:
         "depth_acceptance": depth_acceptance(records),
         **per_step_means(records),
         "time_split_ms_per_token": time_split(records),
+        "forecast": forecast(records),
         "lossless": None,
     }
     if baseline and greedy:
@@ -185,7 +197,8 @@ def _lossless_cell(row: dict, method: str, baseline: str, greedy: bool) -> str:
         return "n/a (sampling)"
     if row["lossless"] is None:
         return "—"
-    return f"{row['lossless']['equal']}/{row['lossless']['compared']}"
+    cell = f"{row['lossless']['equal']}/{row['lossless']['compared']}"
+    return cell + " (own Q weights)" if method == "llama.cpp" else cell
 
 
 TABLE_HEAD = ("| method | gens | tokens | tokens/s | speedup | τ | tree size | draft ms/step | verify ms/step "
@@ -243,6 +256,16 @@ def render_markdown(summary: dict, meta: dict, interrupted: str | None = None) -
                 "|---|" + "---|" * width]
         out += [f"| {m} | " + " | ".join([f"{x:.2f}" for x in r] + ["—"] * (width - len(r))) + " |"
                 for m, r in depth_rows]
+        out += [""]
+    forecasts = [(name, m, row["forecast"]) for name, group in [("all", summary["overall"])]
+                 + sorted(summary["by_source"].items()) for m, row in group.items() if row.get("forecast")]
+    if forecasts:
+        out += ["## The cost model: forecast against measurement", "",
+                "Tokens per second over decoding steps (prefill excluded): what the cost-aware method expected "
+                "of the trees it chose, and what those steps took.", "",
+                "| prompts | method | forecast tokens/s | measured tokens/s | measured / forecast |", "|---|---|---:|---:|---:|"]
+        out += [f"| {name} | {m} | {f['predicted_tokens_per_s']:.1f} | {f['measured_tokens_per_s']:.1f} "
+                f"| {f['measured_tokens_per_s'] / f['predicted_tokens_per_s']:.2f} |" for name, m, f in forecasts]
         out += [""]
     if len(summary.get("by_turn", {})) > 1:
         for name, group in summary["by_turn"].items():

@@ -5,7 +5,10 @@ Arms (one per method name):
   the others through :func:`ddspec.methods.make_drafter`), so a policy added there is
   benchmarked without touching this file;
 - Hugging Face ``generate`` on the same weights: ``hf`` (plain greedy / sampling) and
-  ``hf-lookup`` (assisted generation with prompt lookup), see :data:`HF_ARMS`.
+  ``hf-lookup`` (assisted generation with prompt lookup), see :data:`HF_ARMS`;
+- ``llama.cpp``: the CPU peer, llama-cpp-python decoding the same GGUF (its quantised weights,
+  so its outputs are not expected to equal ours) with the same prompt ids, greedy. Optional: the
+  arm is skipped with a message when llama-cpp-python is missing or the model is not a GGUF.
 
 Fairness rules (DESIGN.md §3): one warm-up generation per arm before timing; for each
 (prompt, turn) every repeat runs every arm, in an order rotated from one round to the next;
@@ -47,6 +50,7 @@ if TYPE_CHECKING:  # torch and the engine load when a run starts, not when the C
 
 # HF arms: name -> extra keyword arguments of `model.generate`
 HF_ARMS: dict[str, dict] = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
+LLAMA_CPP = "llama.cpp"
 WARMUP_TOKENS = 32  # enough for the prefill and several draft/verify steps
 RECORDS_FILE = "records.jsonl"
 SETTINGS_FILE = "run.json"
@@ -54,7 +58,7 @@ SETTINGS_FILE = "run.json"
 
 def method_names() -> tuple[str, ...]:
     """Every benchmarkable method: vanilla, the HF arms, then the engine's other methods."""
-    return ("vanilla",) + tuple(HF_ARMS) + tuple(m for m in METHODS if m != "vanilla")
+    return ("vanilla",) + tuple(HF_ARMS) + (LLAMA_CPP,) + tuple(m for m in METHODS if m != "vanilla")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -146,9 +150,53 @@ class HFArm:
         return Generation(ids, wall, finish, None)
 
 
+class LlamaCppArm:
+    """llama.cpp through llama-cpp-python on a GGUF file: greedy, the same prompt ids and stop rules."""
+
+    def __init__(self, gguf: Path, eos_ids: tuple[int, ...], max_position: int, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.eos_ids, self.max_position = set(eos_ids), max_position
+        self.llm = Llama(model_path=str(gguf), n_ctx=min(max_position, 8192), n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, verbose=False)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        budget = min(max_new_tokens, self.max_position - len(prompt_ids))
+        ids: list[int] = []
+        t0 = time.perf_counter()
+        self.llm.reset()  # no KV reuse between generations: every arm prefills its whole prompt
+        for token in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            ids.append(int(token))
+            if token in self.eos_ids or len(ids) >= budget:
+                break
+        wall = time.perf_counter() - t0
+        return Generation(ids, wall, "eos" if ids and ids[-1] in self.eos_ids else "length", None)
+
+
+def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int) -> LlamaCppArm | str:
+    """The llama.cpp arm, or why it cannot run here (a one-line reason)."""
+    import importlib.util
+
+    from ddspec.models.loading import DEFAULT_MODEL, default_gguf_path
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-python is not installed (optional: "
+                "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36, about 10 minutes to build)")
+    if not sampling.greedy:
+        return "the llama.cpp arm decodes greedily only (--temperature 0)"
+    gguf = default_gguf_path() if model_spec == DEFAULT_MODEL else Path(model_spec)
+    if gguf.suffix != ".gguf" or not gguf.is_file():
+        return f"the llama.cpp arm needs a GGUF model (--model default or a .gguf file), not {model_spec}"
+    return LlamaCppArm(gguf, target.info.eos_token_ids, target.info.max_position, threads)
+
+
 def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConfig, sampling: SamplingConfig,
-               load_hf_model) -> dict[str, Arm]:
-    """One arm per method name; ``load_hf_model()`` is called (once) only if an HF arm is asked for."""
+               load_hf_model, model_spec: str = "default", threads: int = 1) -> dict[str, Arm]:
+    """One arm per method name; ``load_hf_model()`` is called (once) only if an HF arm is asked for.
+    An arm that cannot run here (llama.cpp without llama-cpp-python) is left out with a message."""
+    import sys
+
     from ddspec.engine import Engine
     from ddspec.methods import make_drafter
 
@@ -156,6 +204,13 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
     hf_model = None
     head = None  # loaded once, shared by every tree method
     for m in methods:
+        if m == LLAMA_CPP:
+            arm = llama_cpp_arm(target, model_spec, sampling, threads)
+            if isinstance(arm, str):
+                print(f"[ddspec] skipping the {LLAMA_CPP} arm: {arm}", file=sys.stderr)
+            else:
+                arms[m] = arm
+            continue
         if m in HF_ARMS:
             hf_model = hf_model if hf_model is not None else load_hf_model()
             arms[m] = HFArm(hf_model, target.info.eos_token_ids, target.info.max_position, sampling, HF_ARMS[m])
@@ -201,6 +256,10 @@ def make_record(prompt: Prompt, turn: int, method: str, prompt_ids: list[int], r
         "draft_ms": statistics.fmean(s.draft_ms for s in steps) if steps else None,
         "verify_ms": statistics.fmean(s.verify_ms for s in steps) if steps else None,
         "tree_sizes": [s.tree_size for s in steps or ()],
+        # the cost-aware method's own forecast, and the same quantities measured (decoding steps only)
+        "predicted_tokens": sum(s.predicted_tokens for s in steps) if steps else None,
+        "predicted_ms": sum(s.predicted_ms for s in steps) if steps else None,
+        "step_ms": sum(s.draft_ms + s.verify_ms + s.gap_ms for s in steps) if steps else None,
         "output_ids": rep.output_ids,
     }
 

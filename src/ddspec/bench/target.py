@@ -6,7 +6,10 @@ Prints, in one run, on this machine:
 2. the memory floor: fp32 weight bytes / measured copy bandwidth (STREAM convention: bytes read
    + bytes written per second), and the fraction of it our decoding reaches;
 3. the time of one target forward over N = 1..64 new tokens after a 256-token prefix, for the
-   native and the HF implementation (median of several repetitions).
+   native and the HF implementation (median of several repetitions), with the matmul kernels the
+   native target chose on this machine (models/kernels.py);
+4. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
+   over the draft vocabulary, top-k) for top_k = 1..16.
 
 Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]``.
 """
@@ -14,7 +17,6 @@ Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]`
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from datetime import date
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddspec.machine import cpu_name
+from ddspec.machine import core_count, cpu_name
 from ddspec.config import StopConfig
 from ddspec.engine import Engine
 from ddspec.prompts import chat_prompt_ids
@@ -90,11 +92,43 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 7) -> dict[int, 
     return result
 
 
+LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)
+
+
+def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int = 15) -> dict[int, float]:
+    """Median ms of one draft level of the shipped head at each top_k, after `prefix` committed tokens."""
+    from ddspec.config import TreeConfig
+    from ddspec.draft.eagle import EagleDrafter
+    from ddspec.methods import resolve_head
+
+    head = resolve_head(None, target)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, target.info.vocab_size, (prefix,), generator=gen)
+    result = {}
+    for k in top_ks:
+        drafter = EagleDrafter(head, target, TreeConfig(top_k=k, depth=6, total_tokens=60))
+        target.reset(prefix + 8)
+        out = target.forward(prompt, torch.arange(prefix), None, drafter.hidden_layers)
+        drafter.reset(prefix + 8)
+        drafter.prefill(prompt, out, prompt[-1])
+        feats, toks = out.features[-k:], prompt[-k:]
+        mask = torch.ones(1, 1, k, prefix + k, dtype=torch.bool)
+        times = []
+        for _ in range(reps + 2):
+            t = time.perf_counter()
+            hidden = drafter._run(feats, toks, torch.full((k,), prefix), mask)
+            drafter.logprobs(hidden).topk(k, dim=-1)
+            times.append(time.perf_counter() - t)
+            drafter.cache.truncate(prefix)
+        result[k] = statistics.median(times[2:]) * 1e3
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per arm (default 3)")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--threads", type=int, default=core_count())
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -117,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_med, theirs_med = statistics.median(ours), statistics.median(theirs)
     fwd_native = forward_times(native, 256)
     fwd_hf = forward_times(hf, 256)
+    levels = draft_level_times(native)
 
     lines = [
         f"# Target benchmark: {native.info.name}, fp32",
@@ -143,7 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         "| native | " + " | ".join(f"{fwd_native[n]:.1f}" for n in SIZES) + " |",
         "| HF adapter | " + " | ".join(f"{fwd_hf[n]:.1f}" for n in SIZES) + " |",
         "",
-        f"native N=16 / N=1 = {fwd_native[16] / fwd_native[1]:.2f}x",
+        f"native T(8)/T(1) = {fwd_native[8] / fwd_native[1]:.2f}x, T(16)/T(1) = {fwd_native[16] / fwd_native[1]:.2f}x; "
+        f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}",
+        "",
+        "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "
+        "+ top-k; ms, median):",
+        "",
+        "| top_k | " + " | ".join(str(k) for k in LEVEL_TOP_KS) + " |",
+        "|---|" + "---|" * len(LEVEL_TOP_KS),
+        "| ms | " + " | ".join(f"{levels[k]:.2f}" for k in LEVEL_TOP_KS) + " |",
     ]
     report = "\n".join(lines)
     print(report)

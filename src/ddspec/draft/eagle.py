@@ -18,6 +18,7 @@ import torch
 
 from ddspec.config import TreeConfig
 from ddspec.draft.head import EagleHead, fusion_input
+from ddspec.draft.packed import DraftLMHead, PackedHead
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
@@ -78,9 +79,12 @@ class EagleDrafter:
         ids = head.draft_token_ids
         lm = target.lm_head_weight_t()  # [H, V]
         self.draft_ids = None if ids is None else ids.to(self.device)  # [Vd] target ids
-        self.lm_head_t = lm if ids is None else lm[:, self.draft_ids].contiguous()  # [H, Vd]
-        if tree.shape == "dynamic" and tree.top_k > self.lm_head_t.shape[1]:
-            raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({self.lm_head_t.shape[1]})")
+        draft_vocab = lm.shape[1] if ids is None else ids.numel()
+        if tree.shape == "dynamic" and tree.top_k > draft_vocab:
+            raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
+        # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
+        self.packed = PackedHead(head)
+        self.lm_head = DraftLMHead((lm if ids is None else lm[:, self.draft_ids]).t())  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
@@ -112,7 +116,7 @@ class EagleDrafter:
     # -- head calls ----------------------------------------------------------------------
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probs over the draft vocabulary: hidden [n, H] -> [n, Vd]."""
-        return torch.log_softmax(torch.matmul(hidden, self.lm_head_t).float(), dim=-1)
+        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
 
     def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens if self.draft_ids is None else self.draft_ids[tokens]
@@ -123,7 +127,7 @@ class EagleDrafter:
         """Append head entries for (features [n, H], tokens [n]) and return f̂ [n, H]."""
         n = tokens.numel()
         embeds = self.embed(tokens).view(1, n, -1)
-        return self.head(embeds, features.view(1, n, -1).to(embeds.dtype), positions, mask, self.cache)[0]
+        return self.packed(embeds, features.view(1, n, -1).to(embeds.dtype), positions, mask, self.cache)[0]
 
     def _commit_entries(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Head entries for committed positions: pairs (f_t, token_{t+1}), causal."""

@@ -2,13 +2,12 @@
 
 Why this exists: through HF transformers one SmolLM2 token costs ~3x the memory floor on our
 CPU, mostly per-layer Python and op overhead (DESIGN.md §6). Here each decoder layer is four
-matmuls on fused, pre-transposed weights (qkv, o, gate+up, down), one RoPE over q and k
-together, one SDPA call, and a static KV cache written by slot. Pre-transposed ``x @ W^T``
-through ``torch.mm`` measured fastest at 1 row and at 4-64 rows on this CPU, so weights are
-stored as ``[in, out]``. At 2-3 rows, the sizes a small speculative tree verifies, MKL's
-``F.linear`` on ``[out, in]`` weights is 15-20% faster (30 layers' matmuls, 2 threads, median of
-15 interleaved runs: 2 rows 18.3 vs 21.7 ms, 3 rows 19.0 vs 23.7 ms; 1 row 17.7 vs 14.9 ms), so
-small models on a CPU also keep an ``[out, in]`` copy (``small_rows_layout``) and use it there.
+matmuls on fused weights (qkv, o, gate+up, down), one RoPE over q and k together, one SDPA
+call, and a static KV cache written by slot. Which fp32 matmul kernel runs is chosen per
+machine and row count by measurement (models/kernels.py): on a CPU, oneDNN with prepacked
+weights keeps a forward over a small draft tree near the cost of one token, where the default
+MKL path costs 2-4x. The choice is measured once per CPU, torch build, thread count and
+weight shapes, and cached (``<cache root>/kernels/``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
+from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,37 +82,28 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
     return scaled.float()
 
 
-SMALL_ROWS = (2, 3)  # row counts that use the [out, in] copy, when there is one
-
-
-def project(x: torch.Tensor, w_io: torch.Tensor, w_oi: torch.Tensor | None) -> torch.Tensor:
-    """x @ W for W stored [in, out]; through the [out, in] copy at 2-3 rows when it exists."""
-    if w_oi is not None and x.numel() // x.shape[-1] in SMALL_ROWS:
-        return F.linear(x, w_oi)
-    return torch.matmul(x, w_io)
-
-
 class LlamaLayer:
-    """One decoder layer's weights, fused and pre-transposed: [in, out] (+ [out, in] copies)."""
+    """One decoder layer's weights: fused qkv and gate+up, each a :class:`Weight` in the layouts
+    of the kernels ``plan`` chooses (shared by all layers of a model)."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, small_rows: bool = False) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, plan: KernelPlan,
+                 kernels: set[str] | None = None) -> None:
         attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        kernels = plan.needed if kernels is None else kernels
+        self.plan = plan
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[f"{attn}{p}_proj.weight"] for p in "qkv"]).t().contiguous()
+        self.qkv = Weight(torch.cat([w[f"{attn}{p}_proj.weight"] for p in "qkv"]), kernels)
         self.qkv_bias = (
             torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
         )
-        self.o = w[f"{attn}o_proj.weight"].t().contiguous()
-        self.gate_up = torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]).t().contiguous()
-        self.down = w[f"{mlp}down_proj.weight"].t().contiguous()
-        copy = (lambda t: t.t().contiguous()) if small_rows else (lambda t: None)
-        self.qkv_oi, self.o_oi, self.gate_up_oi, self.down_oi = (copy(t) for t in (self.qkv, self.o, self.gate_up,
-                                                                                    self.down))
+        self.o = Weight(w[f"{attn}o_proj.weight"], kernels)
+        self.gate_up = Weight(torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]), kernels)
+        self.down = Weight(w[f"{mlp}down_proj.weight"], kernels)
 
-    def tensors(self) -> list[torch.Tensor]:
-        ts = [self.post_norm, self.qkv, self.o, self.gate_up, self.down]
-        return ts + [t for t in (self.input_norm, self.qkv_bias) if t is not None]
+    @property
+    def weights(self) -> list[Weight]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class Rotary:
@@ -168,15 +159,16 @@ def layer_forward(
     mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool or None
 ) -> torch.Tensor:
     nq, nkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    kernel = layer.plan.kernel(x.numel() // x.shape[-1])
     h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, arch.rms_eps)
-    qkv = project(h, layer.qkv, layer.qkv_oi)  # [B, N, nq + 2 nkv]
+    qkv = layer.qkv(h, kernel)  # [B, N, nq + 2 nkv]
     if layer.qkv_bias is not None:
         qkv = qkv + layer.qkv_bias
     q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-    x = x + project(attention(q, k, v, arch, rotary, positions, attend, mask), layer.o, layer.o_oi)
+    x = x + layer.o(attention(q, k, v, arch, rotary, positions, attend, mask), kernel)
     h = rms_norm(x, layer.post_norm, arch.rms_eps)
-    gate, up = project(h, layer.gate_up, layer.gate_up_oi).chunk(2, dim=-1)  # [B, N, I] each
-    return x + project(F.silu(gate) * up, layer.down, layer.down_oi)
+    gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)  # [B, N, I] each
+    return x + layer.down(F.silu(gate) * up, kernel)
 
 
 class NativeLlama:
@@ -190,10 +182,10 @@ class NativeLlama:
         tokenizer: object = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-        small_rows_layout: bool | None = None,
+        plans: tuple[KernelPlan, KernelPlan] | None = None,
     ) -> None:
-        """small_rows_layout: keep [out, in] copies of the layer weights for 2-3-row forwards
-        (see the module docstring); None = on a CPU when the copies take at most 1 GiB."""
+        """plans: the matmul kernels of the decoder layers and of the lm_head (models/kernels.py);
+        None = the cached choice for this machine, measured on first use (a few seconds)."""
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.hf_config = dict(hf_config)
         self.info, self.tokenizer = info, tokenizer
@@ -202,15 +194,33 @@ class NativeLlama:
         self.embed_tokens = w["embed_tokens.weight"]  # [V, H]
         self.norm = w["norm.weight"]
         head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head_t = head.t().contiguous()  # [H, V]
-        if small_rows_layout is None:
-            layer_bytes = sum(v.numel() * v.element_size() for k, v in w.items() if k.startswith("layers."))
-            small_rows_layout = self.device.type == "cpu" and layer_bytes <= 2**30
-        self.lm_head_oi = head if small_rows_layout else None  # [V, H] (the embeddings when tied: no copy)
-        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, small_rows_layout)
+        self._lm_head_oi = head  # [V, H] (the embeddings when tied: no copy)
+        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head)
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan)
                        for i in range(self.arch.num_layers)]
+        self.lm_head_w = Weight(head, self.head_plan.needed)
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
+
+    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor) -> tuple[KernelPlan, KernelPlan]:
+        """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
+        few layers' own weights and on the lm_head."""
+        import sys
+
+        probe_layers = range(min(6, self.arch.num_layers))
+
+        def layers(options: tuple[str, ...]) -> KernelPlan:
+            print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
+            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options)) for i in probe_layers]
+            return measure_plan([layer.weights for layer in probe], options)
+
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
+        layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers)
+        head_plan = choose_plan("lm_head", [list(head.shape)], self.device, self.dtype,
+                                lambda options: measure_plan([[Weight(head, set(options))]], options))
+        return layer_plan, head_plan
 
     # -- cache ---------------------------------------------------------------------------
     @property
@@ -241,11 +251,11 @@ class NativeLlama:
         return self.embed_tokens[tokens]
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
-        return project(features, self.lm_head_t, self.lm_head_oi)
+        return self.lm_head_w(features, self.head_plan.kernel(features.numel() // features.shape[-1]))
 
     def lm_head_weight_t(self) -> torch.Tensor:
-        """The lm_head as [H, V] (what drafters multiply by)."""
-        return self.lm_head_t
+        """The lm_head as [H, V] (a view of the [V, H] weight; what drafters and trainers multiply by)."""
+        return self._lm_head_oi.t()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.norm, self.arch.rms_eps)

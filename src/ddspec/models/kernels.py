@@ -1,0 +1,199 @@
+"""Matmul kernels for small row counts, chosen per machine by measurement.
+
+Speculative decoding multiplies 1-64 rows (the tokens of a draft tree) by every weight matrix.
+On our CPUs the cost of that depends more on *which* fp32 kernel runs than on the row count:
+torch's default paths (MKL through ``torch.mm`` / ``F.linear``) take 2-4x longer at 2-16 rows
+than at one row, while oneDNN with a weight packed once for its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``) keeps 8 rows near the
+cost of one (DESIGN.md §6). Which kernel wins differs between CPUs (MKL takes slower code paths
+on AMD than on Intel), so nothing here is hard-coded: :func:`measure_plan` times each candidate
+on the model's own weights for each row-count bucket, and the fastest per bucket is used.
+
+- ``mm``: ``x @ W`` with W stored [in, out] (torch.mm / MKL).
+- ``linear``: ``F.linear(x, W)`` with W stored [out, in] (MKL).
+- ``onednn``: oneDNN with W packed once (the batch hint only steers the layout; one packing
+  serves every row count).
+
+:class:`Weight` holds one matrix in the layouts its kernels need; :class:`KernelPlan` maps a row
+count to a kernel. Results agree with ``torch.mm`` to fp32 rounding (tests/test_kernels.py).
+Set ``DDSPEC_KERNEL=mm|linear|onednn`` to force one kernel everywhere (``auto`` = measure).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ddspec.errors import ConfigError
+
+KERNELS = ("mm", "linear", "onednn")
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts measured; others use the bucket above
+ONEDNN_HINT = 8
+
+
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """The kernel for each row-count bucket (``kernels[i]`` serves rows up to ``BUCKETS[i]``)."""
+
+    kernels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.kernels) != len(BUCKETS) or any(k not in KERNELS for k in self.kernels):
+            raise ValueError(f"a plan needs one of {KERNELS} for each of {len(BUCKETS)} buckets, got {self.kernels}")
+
+    @classmethod
+    def uniform(cls, kernel: str) -> KernelPlan:
+        return cls((kernel,) * len(BUCKETS))
+
+    def kernel(self, rows: int) -> str:
+        return self.kernels[min(bisect.bisect_left(BUCKETS, rows), len(BUCKETS) - 1)]
+
+    @property
+    def needed(self) -> set[str]:
+        return set(self.kernels)
+
+    def describe(self) -> str:
+        return ", ".join(f"{b}:{k}" for b, k in zip(BUCKETS, self.kernels))
+
+
+class Weight:
+    """One linear's weight W [out, in] in the layouts the given kernels read."""
+
+    __slots__ = ("out_features", "in_features", "io", "oi", "packed")
+
+    def __init__(self, w_oi: torch.Tensor, kernels: set[str]) -> None:
+        self.out_features, self.in_features = w_oi.shape
+        self.io = w_oi.t().contiguous() if "mm" in kernels else None  # [in, out]
+        self.oi = w_oi.contiguous() if "linear" in kernels else None  # [out, in]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w_oi.contiguous(), ONEDNN_HINT) if "onednn" in kernels else None
+
+    def keep(self, kernels: set[str]) -> None:
+        """Drop the layouts no chosen kernel reads (frees their memory)."""
+        if "mm" not in kernels:
+            self.io = None
+        if "linear" not in kernels:
+            self.oi = None
+        if "onednn" not in kernels:
+            self.packed = None
+
+    def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """x [..., in] @ W^T -> [..., out] through ``kernel``."""
+        if kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if kernel == "linear":
+            return F.linear(x, self.oi)
+        return torch.matmul(x, self.io)
+
+    def dense_t(self) -> torch.Tensor:
+        """W as [in, out] in a plain layout (for code that multiplies it directly)."""
+        if self.io is not None:
+            return self.io
+        if self.oi is not None:
+            return self.oi.t()
+        return self(torch.eye(self.in_features, dtype=self.packed.dtype, device=self.packed.device), "onednn")
+
+
+def forced_kernel() -> str | None:
+    """``DDSPEC_KERNEL`` when set to a kernel name (None for unset or ``auto``)."""
+    value = os.environ.get("DDSPEC_KERNEL", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in KERNELS:
+        raise ConfigError(f"DDSPEC_KERNEL={value!r}: choose auto or one of {', '.join(KERNELS)}")
+    return value
+
+
+def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: int = 5,
+                 progress=None) -> KernelPlan:
+    """Time every candidate kernel over all the weights of ``groups`` (as one forward streams
+    them), per row bucket, interleaved, and keep the fastest per bucket (median of ``reps``)."""
+    weights = [w for group in groups for w in group]
+    inputs = {b: {w.in_features: torch.randn(b, w.in_features, dtype=_dtype(w), device=_device(w))
+                  for w in weights} for b in BUCKETS}
+    chosen = []
+    for b in BUCKETS:
+        times: dict[str, list[float]] = {k: [] for k in candidates}
+        for r in range(reps + 1):
+            for k in candidates:
+                t = time.perf_counter()
+                for w in weights:
+                    w(inputs[b][w.in_features], k)
+                if r:  # round 0 warms up
+                    times[k].append(time.perf_counter() - t)
+        chosen.append(min(candidates, key=lambda k: statistics.median(times[k])))
+        if progress is not None:
+            progress(1)
+    return KernelPlan(tuple(chosen))
+
+
+def _any_layout(w: Weight) -> torch.Tensor:
+    return next(t for t in (w.io, w.oi, w.packed) if t is not None)
+
+
+def _dtype(w: Weight) -> torch.dtype:
+    return _any_layout(w).dtype
+
+
+def _device(w: Weight) -> torch.device:
+    return _any_layout(w).device
+
+
+# -- choosing, once per machine ---------------------------------------------------------------
+def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    if device.type != "cpu":
+        return ("mm",)  # GPUs: the vendor GEMM is the right answer
+    return KERNELS if onednn_available(device, dtype) else ("mm", "linear")
+
+
+def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+                measure) -> KernelPlan:
+    """The cached plan for these weight shapes on this machine, or ``measure(candidates)`` (then cached).
+
+    The cache key names the CPU, torch build, thread count, dtype and the shapes; a forced
+    kernel (``DDSPEC_KERNEL``) or a single candidate skips measuring.
+    """
+    import hashlib
+    import json
+    import sys
+
+    from ddspec.machine import cache_root, cpu_name
+
+    forced = forced_kernel()
+    options = candidates(device, dtype)
+    if forced is not None:
+        if forced not in options:
+            raise ConfigError(f"DDSPEC_KERNEL={forced} is not available for {device} / {dtype}: use one of {options}")
+        return KernelPlan.uniform(forced)
+    if len(options) == 1:
+        return KernelPlan.uniform(options[0])
+    key = {"format": 1, "name": name, "shapes": shapes, "cpu": cpu_name(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "dtype": str(dtype), "candidates": list(options)}
+    path = cache_root() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return KernelPlan(tuple(data["kernels"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, stale or unreadable: measure
+    plan = measure(options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"key": key, "kernels": list(plan.kernels),
+                                   "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        print(f"ddspec: cannot cache the kernel choice in {path.parent} ({e.strerror or e}); "
+              "it will be measured again next time", file=sys.stderr)
+    return plan

@@ -1,0 +1,45 @@
+"""The drafting fast path (PackedHead, DraftLMHead) computes what EagleHead.forward computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddspec.config import TreeConfig
+from ddspec.draft.checkpoint import random_head
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.draft.head import EagleHead
+from ddspec.draft.packed import PackedHead
+
+
+@pytest.mark.parametrize("kernel", ["mm", "linear", "onednn"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch):
+    monkeypatch.setenv("DDSPEC_KERNEL", kernel)
+    target = tiny_targets[("llama", "native")]
+    head = EagleHead({**target.hf_config, "num_hidden_layers": layers}).eval().requires_grad_(False)
+    for p in head.parameters():  # make the later layers matter too (a fresh head's are random anyway)
+        p.add_(0.01 * torch.randn_like(p))
+    packed = PackedHead(head)
+    gen = torch.Generator().manual_seed(0)
+    h = target.info.hidden_size
+    caches = [head.new_cache(32), head.new_cache(32)]
+    for n, prefix in ((5, 0), (3, 5)):  # a prefill of 5, then 3 tree-like rows attending to it
+        embeds, feats = torch.randn(1, n, h, generator=gen), torch.randn(1, n, h, generator=gen)
+        positions = torch.arange(prefix, prefix + n)
+        mask = torch.ones(1, 1, n, prefix + n, dtype=torch.bool)
+        mask[0, 0, :, prefix:] = torch.ones(n, n, dtype=torch.bool).tril_()
+        with torch.inference_mode():
+            want = head(embeds, feats, positions, mask, caches[0])
+        got = packed(embeds, feats, positions, mask, caches[1])
+        assert (got - want).abs().max() <= 1e-4
+    assert caches[0].length == caches[1].length == 8
+
+
+def test_drafter_logprobs_use_the_draft_vocabulary(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=2).eval().requires_grad_(False)
+    drafter = EagleDrafter(head, target, TreeConfig(top_k=4, depth=3, total_tokens=8))
+    hidden = torch.randn(3, target.info.hidden_size)
+    want = torch.log_softmax(hidden @ target.lm_head_weight_t(), dim=-1)
+    assert (drafter.logprobs(hidden) - want).abs().max() <= 1e-4
