@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "--show prints the cached entry and its age without measuring.",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     how = cal.add_mutually_exclusive_group()
-    how.add_argument("--refresh", action="store_true", help="measure again even if a cached entry exists")
+    how.add_argument("--refresh", action="store_true",
+                     help="measure again even if a cached entry exists (the matmul kernel choice too)")
     how.add_argument("--show", action="store_true", help="print the cached entry (curve, age, noise); measure nothing")
     add_model_args(cal)
     add_tree_args(cal)

@@ -121,6 +121,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     tree = tree_from_args(args)
     setup_torch(args)
+    if args.refresh:  # the matmul kernel choice is a measurement too: make it again
+        from ddspec.machine import cache_root
+
+        for entry in (cache_root() / "kernels").glob("*.json"):
+            entry.unlink(missing_ok=True)
     target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
     drafter = EagleDrafter(resolve_head(args.head, target), target, tree_config("eagle2", tree))
     if args.show:
