@@ -129,10 +129,11 @@ def test_plain_steps_when_drafting_does_not_pay():
         if drafting:
             levels, scores = draft(policy)
             policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
-            policy.observe_step(1, scores.numel() + 1, TRUE.draft(levels), plain_ms + 5.0, 0.0)
+            n = scores.numel() + 1
+            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + 5.0, 0.0)
         else:
             policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
-    assert sum(choices[-200:]) <= 200 / policy.explore_far + 2
+    assert sum(choices[-200:]) <= 200 / policy.explore_close + 2  # plain steps, but for exploration
     assert any(choices[-200:])  # exploration continues
 
 

@@ -320,6 +320,8 @@ class Engine:
         predicted = self.drafter.prediction
         if predicted is not None:
             step.predicted_tokens, step.predicted_ms = predicted
+        if not self.sampling.greedy and self.sampling.seed is not None:
+            return  # seeded sampling stays reproducible: choices must not depend on the wall clock
         observe(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
 
     @staticmethod

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ddspec.config import TreeConfig
-from ddspec.draft.head import EagleHead, fusion_input
-from ddspec.draft.packed import DraftLMHead, PackedHead
+from ddspec.draft.head import EagleHead
+from ddspec.draft.packed import DraftLMHead
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
@@ -62,29 +62,30 @@ class EagleDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None) -> None:
+        """head: an EagleHead (EAGLE-1/2, fused) or an Eagle3Head; both offer hidden_layers,
+        committed_features, drafting_forward, draft_lm_head_weight and logits_input."""
         if head.hidden_size != target.info.hidden_size:
             raise ConfigError(f"head hidden size {head.hidden_size} != target hidden size {target.info.hidden_size}")
         vocab = target.info.vocab_size
         if tree.shape == "dynamic" and tree.top_k > vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} is larger than the vocabulary ({vocab})")
-        deepest = max(head.fuse_layers, default=0)
+        deepest = max(head.hidden_layers, default=0)
         if deepest > target.info.num_layers:
             raise ConfigError(f"the draft head reads target layer {deepest} (HF hidden_states index), but the "
                               f"target has {target.info.num_layers} layers (indices 0..{target.info.num_layers}): "
                               "this head was trained for another model; pass the head made for this target")
         self.head, self.target, self.cfg = head, target, tree
-        self.hidden_layers = head.fuse_layers  # the target layers a fused head reads (asked of each forward)
+        self.hidden_layers = head.hidden_layers  # the target layers a fused / EAGLE-3 head reads (asked of each forward)
         self.device = target.device
         self.embed = head.embed_tokens if hasattr(head, "embed_tokens") else target.embed
         ids = head.draft_token_ids
-        lm = target.lm_head_weight_t()  # [H, V]
         self.draft_ids = None if ids is None else ids.to(self.device)  # [Vd] target ids
-        draft_vocab = lm.shape[1] if ids is None else ids.numel()
+        draft_vocab = target.info.vocab_size if ids is None else ids.numel()
         if tree.shape == "dynamic" and tree.top_k > draft_vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
         # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
-        self.packed = PackedHead(head)
-        self.lm_head = DraftLMHead((lm if ids is None else lm[:, self.draft_ids]).t())  # [Vd, H]
+        self.packed = head.drafting_forward()
+        self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids))  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
@@ -96,6 +97,7 @@ class EagleDrafter:
         # method's plain steps skip the head): input features [n, H] and next tokens [n]
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._plain_step = False
+        self._caught_up = False  # this step's draft time includes catching the head up
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -116,7 +118,7 @@ class EagleDrafter:
     # -- head calls ----------------------------------------------------------------------
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probs over the draft vocabulary: hidden [n, H] -> [n, Vd]."""
-        return torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+        return torch.log_softmax(self.lm_head(self.head.logits_input(hidden)).float(), dim=-1)
 
     def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens if self.draft_ids is None else self.draft_ids[tokens]
@@ -160,12 +162,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def _committed_features(self, target_out: TargetOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input features at committed positions (``rows`` of the forward; None = all)."""
-        f = target_out.features if rows is None else target_out.features[rows]
-        if not self.hidden_layers:
-            return f
-        states = [target_out.hidden_states[i] for i in self.hidden_layers]
-        extra = fusion_input(states if rows is None else [s[rows] for s in states])
-        return self.head.fused_features(f.to(self.head.fc.weight.dtype), extra)
+        return self.head.committed_features(target_out, rows)
 
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
@@ -186,8 +183,8 @@ class EagleDrafter:
 
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         """The engine's timing of the step just finished (the cost-aware method learns from it)."""
-        if self.cost_policy is not None:
-            self.cost_policy.observe_step(tokens, tree_size, draft_ms, verify_ms, gap_ms)
+        if self.cost_policy is not None:  # a catch-up forward is not a draft level: keep it out of the draft costs
+            self.cost_policy.observe_step(tokens, tree_size, None if self._caught_up else draft_ms, verify_ms, gap_ms)
 
     @property
     def prediction(self) -> tuple[float, float] | None:
@@ -196,6 +193,7 @@ class EagleDrafter:
 
     def _flush_pending(self) -> None:
         """Catch the head up over the plain steps' positions, in one forward."""
+        self._caught_up = bool(self._pending)
         if self._pending:
             features, tokens = zip(*self._pending)
             self._pending.clear()
@@ -207,6 +205,7 @@ class EagleDrafter:
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
         self._plain_step = self.cost_policy is not None and not self.cost_policy.draft_now()
+        self._caught_up = False
         if self._plain_step:
             return DraftTree.root_only(root)
         self._flush_pending()

@@ -175,10 +175,11 @@ class LearnedCosts:
         seen = seen * self.decay + 1.0
         return old + (value - old) / seen, seen
 
-    def observe(self, tree_size: int, levels: int, draft_ms: float, verify_ms: float, gap_ms: float,
+    def observe(self, tree_size: int, levels: int, draft_ms: float | None, verify_ms: float, gap_ms: float,
                 drafted: bool) -> None:
         """One step's measured times. ``drafted``: the head ran (root distribution and levels) and its
-        cache was refreshed; False for a plain step (root only, no head work)."""
+        cache was refreshed; False for a plain step (root only, no head work). ``draft_ms`` None: the
+        draft phase did other work too (the head catching up after plain steps), learn nothing from it."""
         self.steps += 1
         self.gap_ms, self.gap_seen = self._mean(self.gap_ms, self.gap_seen, max(gap_ms, 0.0))
         if not drafted:
@@ -189,9 +190,10 @@ class LearnedCosts:
         calibrated = self.base.verify(torch.tensor([tree_size])).item() + self.base.other_ms
         r = math.log(max(verify_ms, 1e-3) / calibrated)
         self.log_ratio[i], self.seen[i] = self._mean(self.log_ratio[i], self.seen[i], r)
-        draft_ms = max(draft_ms, 1e-3)
-        if levels <= 1:
-            self.root_ms, self.root_seen = self._mean(self.root_ms, self.root_seen, draft_ms)
+        if draft_ms is None:
+            pass
+        elif levels <= 1:
+            self.root_ms, self.root_seen = self._mean(self.root_ms, self.root_seen, max(draft_ms, 1e-3))
         else:
             per_level = max((draft_ms - self.root_ms) / (levels - 1), 0.01)
             self.level_ms, self.level_seen = self._mean(self.level_ms, self.level_seen, per_level)
@@ -208,6 +210,8 @@ class CostAwarePolicy:
     """
 
     explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
+    min_drafted = 8  # drafted steps before the policy may prefer plain steps
+    forecast_decay = 0.5  # the drafted rate follows the newest forecasts (made with the newest knowledge)
 
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, max_depth: int, max_tokens: int,
                  child_logprob: float = -0.7, persist=None, drift_limit: float = math.log(1.5),
@@ -221,8 +225,9 @@ class CostAwarePolicy:
         self.levels = 0
         self.drafting = True  # the choice made for the current step
         self.prediction: tuple[float, float] = (1.0, 0.0)  # (expected tokens, expected ms) of the current step
-        # realised rate of drafted steps: decayed sums of tokens and ms
-        self._draft_tokens = self._draft_ms = 0.0
+        # expected rate of drafted steps (the forecasts, with the costs and acceptance learned so
+        # far): decayed sums of forecast tokens and ms, and the count of drafted steps
+        self._draft_tokens = self._draft_ms = self._drafted = 0.0
         self._since_plain = self._since_draft = 0
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
@@ -260,14 +265,18 @@ class CostAwarePolicy:
         return 1.0 / (self.costs.plain_ms + self.costs.gap_ms)
 
     def draft_rate(self) -> float | None:
-        """Tokens per ms realised by recent drafted steps (None before the first)."""
-        return self._draft_tokens / self._draft_ms if self._draft_ms > 0 else None
+        """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
+
+        A forecast, not the realised rate: the forecasts use the costs and acceptance learned from
+        every step, so they track what steps take, without the noise of single verdicts (one
+        unlucky step must not switch drafting off)."""
+        return self._draft_tokens / self._draft_ms if self._drafted >= self.min_drafted else None
 
     def draft_now(self) -> bool:
         """Draft this step, or verify the root alone without touching the head (plain decoding's
-        cost)? Whichever has the higher rate, the realised one for drafting and the learned one
-        for plain steps; the other is tried every ``explore_close`` steps when the two are within
-        25%, every ``explore_far`` otherwise, so neither estimate goes stale."""
+        cost)? Whichever has the higher expected rate (costs and acceptance as learned so far); the
+        other is tried every ``explore_close`` steps when the two are within 25%, every
+        ``explore_far`` otherwise, so neither estimate goes stale."""
         drafted = self.draft_rate()
         explore = False
         if drafted is None:
@@ -321,13 +330,17 @@ class CostAwarePolicy:
     def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
         self.acceptance.update(scores, accepted)
 
-    def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
-        """The measured times of the step just finished (the engine's clock)."""
+    def observe_step(self, tokens: int, tree_size: int, draft_ms: float | None, verify_ms: float,
+                     gap_ms: float) -> None:
+        """The measured times of the step just finished (the engine's clock); ``draft_ms`` None when the
+        draft phase also did other work."""
         self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         if self.drafting:
-            d = self.costs.decay
-            self._draft_tokens = self._draft_tokens * d + tokens
-            self._draft_ms = self._draft_ms * d + draft_ms + verify_ms + gap_ms
+            d = self.forecast_decay
+            predicted_tokens, predicted_ms = self.prediction
+            self._draft_tokens = self._draft_tokens * d + predicted_tokens
+            self._draft_ms = self._draft_ms * d + predicted_ms
+            self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
         else:
             self._since_plain, self._since_draft = 0, self._since_draft + 1
