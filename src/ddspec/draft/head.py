@@ -109,6 +109,36 @@ class EagleHead(nn.Module):
             raise ValueError(f"this head fuses target layers {list(self.fuse_layers)} but got no layer states")
         return features + self.fuse(extra.to(features.dtype))
 
+    # -- the drafter's interface (shared with ddspec.draft.eagle3.Eagle3Head) --------------
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target layers the drafter asks of every forward (a fused head's; () for a plain one)."""
+        return self.fuse_layers
+
+    def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input features at committed positions (``rows`` of the forward; None = all)."""
+        f = target_out.features if rows is None else target_out.features[rows]
+        if not self.fuse_layers:
+            return f
+        states = [target_out.hidden_states[i] for i in self.fuse_layers]
+        extra = fusion_input(states if rows is None else [s[rows] for s in states])
+        return self.fused_features(f.to(self.fc.weight.dtype), extra)
+
+    def drafting_forward(self):
+        """The callable the drafter runs for head entries: the kernel-planned copy of this head."""
+        from ddspec.draft.packed import PackedHead
+
+        return PackedHead(self)
+
+    def draft_lm_head_weight(self, target, draft_ids: torch.Tensor | None) -> torch.Tensor:
+        """The draft logits' weight [Vd, H]: the target's lm_head, restricted to the draft vocabulary."""
+        lm = target.lm_head_weight_t()  # [H, V]
+        return (lm if draft_ids is None else lm[:, draft_ids]).t()
+
+    def logits_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads: f̂ itself."""
+        return hidden
+
     @property
     def draft_token_ids(self) -> torch.Tensor | None:
         """Target ids of the reduced draft vocabulary [Vd], or None for the full vocabulary."""
