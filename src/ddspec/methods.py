@@ -78,21 +78,22 @@ def resolve_head(spec: str | None, target):
     folder = Path(spec) if spec else shipped_head(target.info.name)
     if folder is None:
         raise DdspecError(
-            f"no draft head for {target.info.name}: pass --head FOLDER (an EAGLE-1/2 head; "
+            f"no draft head for {target.info.name}: pass --head FOLDER (an EAGLE-1/2 or EAGLE-3 head; "
             "`ddspec train` makes one), or decode without a draft (method vanilla)"
         )
     return load_head(folder, target.info, target.device, target.dtype)
 
 
 def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
-    """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead, or a --head spec."""
+    """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead or Eagle3Head, or a --head spec."""
     from ddspec.draft.eagle import EagleDrafter
+    from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.draft.head import EagleHead
 
     cfg = tree_config(method, base)
     if cfg is None:
         return None
-    if not isinstance(head, EagleHead):
+    if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":
         return EagleDrafter(head, target, cfg)

@@ -1,4 +1,5 @@
-"""Reading and writing draft heads in the public EAGLE-1/2 layout (DESIGN.md §5).
+"""Reading and writing draft heads in the public EAGLE-1/2 layout (DESIGN.md §5); EAGLE-3 heads
+are told apart by their config and read by ddspec.draft.eagle3_checkpoint.
 
 A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers`` (1 in the public heads), optional ``bias``)
 and ``model.safetensors`` or ``pytorch_model.bin`` with ``fc.weight`` [H, 2H] (+ ``fc.bias``),
@@ -51,8 +52,6 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_compatible(cfg: dict, target: ModelInfo, folder: Path) -> None:
-    if "draft_vocab_size" in cfg or cfg.get("architectures", [""])[0].endswith("Eagle3"):
-        raise ModelLoadError(f"{folder} is an EAGLE-3 head; ddspec loads EAGLE-1/2 heads so far")
     n_layers = cfg.get("num_hidden_layers", 1)
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or not 1 <= n_layers <= 8:
         raise ModelLoadError(f"{folder}: num_hidden_layers must be a whole number from 1 to 8 for a draft head, "
@@ -68,7 +67,11 @@ def _check_compatible(cfg: dict, target: ModelInfo, folder: Path) -> None:
 
 
 def load_head(folder: str | Path, target: ModelInfo, device: str | torch.device = "cpu",
-              dtype: torch.dtype = torch.float32) -> EagleHead:
+              dtype: torch.dtype = torch.float32, layer_ids_convention: str | None = None):
+    """An EagleHead (EAGLE-1/2 layout) or an Eagle3Head (EAGLE-3 layout, told apart by its config;
+    ``layer_ids_convention``: see ddspec.draft.eagle3_checkpoint)."""
+    from ddspec.draft.eagle3_checkpoint import is_eagle3_config, load_eagle3_head
+
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(f"head folder not found: {folder}")
@@ -76,6 +79,10 @@ def load_head(folder: str | Path, target: ModelInfo, device: str | torch.device 
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{folder / 'config.json'} is not a JSON object")
+    if is_eagle3_config(cfg):
+        return load_eagle3_head(folder, cfg, lambda: _read_tensors(folder), target, device, dtype, layer_ids_convention)
     _check_compatible(cfg, target, folder)
     tensors = _read_tensors(folder)
     for k in IGNORED_KEYS:
