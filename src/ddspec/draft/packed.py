@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ddspec.draft.head import EagleHead
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
 from ddspec.models.llama import LlamaLayer, layer_forward
@@ -30,7 +29,7 @@ def _plan_for(name: str, weights: list[torch.Tensor], build) -> KernelPlan:
 
 
 class PackedHead:
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head) -> None:  # an EagleHead (head.py builds this: no import back)
         state = {k: v.detach() for k, v in head.state_dict().items()}
         self.arch, self.rotary = head.arch, head.rotary()
         n_layers = len(head.layers)
