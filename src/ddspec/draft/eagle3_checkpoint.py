@@ -170,8 +170,6 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, num_target_layers: in
     """Write config.json + model.safetensors in the published EAGLE-3 layout (``midlayer.`` keys)."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     # "bias" is dropped: vLLM would read it as an attention bias (ours is attention_bias, kept)
     cfg = {k: v for k, v in head.config.items() if k not in
            ("eagle_aux_hidden_state_layer_ids", "eagle_config", "ddspec_layer_ids_convention", "ddspec", "bias")}
@@ -189,6 +187,8 @@ def save_eagle3_head(head: Eagle3Head, folder: str | Path, num_target_layers: in
         cfg["ddspec_layer_ids_convention"] = "input"
     if metadata:
         cfg["ddspec"] = metadata
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v if k in REQUIRED_BUFFERS else v.to(dtype)).detach().to("cpu").contiguous()
                for k, v in head.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"))

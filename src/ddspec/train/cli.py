@@ -5,6 +5,7 @@
     ddspec train fit    --out runs/smollm2     # train the head, checkpointing
     ddspec train eval   --out runs/smollm2     # tau through the real engine on the eval sets
     ddspec train export --out runs/smollm2 --to FOLDER   # EAGLE-1/2 layout + model card
+    ddspec train export --out RUN --format eagle3 --to FOLDER   # an EAGLE-3 head in RUN/head, EAGLE-3 layout
     ddspec train all    --out runs/smollm2     # all of the above in order
     ddspec train all --tiny --out /tmp/t       # the whole pipeline on a tiny random model
 
@@ -97,7 +98,10 @@ def add_parser(sub) -> None:
                         "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
-    g.add_argument("--to", default=None, help="export: the head folder to write (EAGLE-1/2 layout)")
+    g.add_argument("--to", default=None, help="export: the head folder to write")
+    g.add_argument("--format", default="eagle", choices=("eagle", "eagle3"),
+                   help="export: eagle = the EAGLE-1/2 layout (default); eagle3 = the published EAGLE-3 layout "
+                        "(config and keys vLLM and SGLang read), for an EAGLE-3 head in OUT/head")
     add_model_args(p)
     p.set_defaults(handler=run)
 

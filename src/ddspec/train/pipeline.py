@@ -311,8 +311,26 @@ def _head_from_checkpoint(out: Path, target):
     return head.eval().requires_grad_(False), meta
 
 
+def _export_eagle3(head, fmt: str, dest: Path, target, meta: dict) -> None:
+    """Write an EAGLE-3 head in the published EAGLE-3 layout; refuse a head whose maths differs."""
+    from ddspec.draft.eagle3 import Eagle3Head
+    from ddspec.draft.eagle3_checkpoint import save_eagle3_head
+
+    if not isinstance(head, Eagle3Head):
+        raise DdspecError(
+            "this run's head is an EAGLE-1/2 head and cannot be written in the EAGLE-3 layout: it reads "
+            "fc(cat(embed, feature)) into its residual stream and feeds the target's lm_head without a norm, where "
+            "an EAGLE-3 head normalises the embedding and its hidden input separately, keeps the embedding out of "
+            "its residual and has its own norm and lm_head, so no EAGLE-3 weights compute the same draft. "
+            "Export it with --format eagle (the default)")
+    if fmt != "eagle3":
+        raise DdspecError("this run's head is an EAGLE-3 head: export it with --format eagle3")
+    save_eagle3_head(head, dest, target.info.num_layers, metadata=meta)
+
+
 def stage_export(args, out: Path, target) -> None:
     from ddspec.draft.checkpoint import load_head, save_head
+    from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.train.model_card import write_model_card
 
     log = StageLog(out, "export")
@@ -325,9 +343,13 @@ def stage_export(args, out: Path, target) -> None:
         log.info(f"training has not finished: exporting the checkpoint at step {meta['training']['steps']}")
     else:
         raise DdspecError(f"nothing to export in {out}: run `ddspec train fit --out {out}` first")
-    save_head(head.half(), dest, metadata=meta)
-    write_model_card(dest, out, target)
-    log.info(f"head written to {dest}")
+    fmt = getattr(args, "format", "eagle") or "eagle"
+    if fmt == "eagle3" or isinstance(head, Eagle3Head):
+        _export_eagle3(head, fmt, dest, target, meta)
+    else:
+        save_head(head.half(), dest, metadata=meta)
+        write_model_card(dest, out, target)
+    log.info(f"head written to {dest} ({fmt} layout)")
     log.finish()
 
 
