@@ -127,6 +127,19 @@ def test_chat_equals_generate(live, client, reference, method):
         assert extra_usage["draft_ms"] >= 0 and extra_usage["verify_ms"] > 0
 
 
+def test_drafters_per_method_are_bounded(live, client, reference):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    ref = reference(chat_ids(reference, messages), 6).text
+    for k in range(1, 11):  # ten sized methods: ten drafters, of which at most MAX_DRAFTERS stay built
+        extra = {"ddspec": {"method": f"eagle2@d2k2n{k + 1}"}}
+        r = client.chat.completions.create(model=model_of(live), messages=messages, max_tokens=6, extra_body=extra)
+        assert r.choices[0].message.content == ref
+    from ddspec.server.worker import MAX_DRAFTERS
+
+    kept = live.service.worker._drafters
+    assert len(kept) == MAX_DRAFTERS and "eagle2" in kept and "eagle2@d2k2n11" in kept
+
+
 def test_chat_streaming_equals_generate(live, client, reference):
     for prompt in PROMPTS:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
@@ -189,7 +202,7 @@ def test_seeded_sampling_is_reproducible_and_equals_the_engine(live, client, ref
 
 
 def test_three_turn_chat_reuses_the_prefix(live, client, reference):
-    history = []
+    history, previous_prompt = [], 0
     for turn, text in enumerate(["Tell me about the sea.", "Shorter, please.", "And mountains?"]):
         history.append({"role": "user", "content": text})
         r = client.chat.completions.create(model=model_of(live), messages=history, max_tokens=20)
@@ -257,6 +270,7 @@ def chat_body(live, **extra) -> dict:
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5}, 400, r"disagree"),
     ({"messages": [{"role": "user", "content": "x"}], "ddspec": {"method": "magic"}}, 400, r"unknown method 'magic'"),
     ({"messages": [{"role": "user", "content": "x"}], "ddspec": {"turbo": True}}, 422, r"ddspec\.turbo"),
+    ({"messages": [{"role": "user", "content": "x"}], "ddspec": {"method": "eagle2@d99"}}, 400, r"at most depth 16"),
 ])
 def test_bad_chat_requests(live, body, status, pattern):
     got, _, payload = raw(live, "POST", "/v1/chat/completions", body)

@@ -3,6 +3,7 @@ draws each step's draft tree.
 
 protocol.py  request shapes and checks (OpenAI's errors)      worker.py  the engine's one thread
 app.py       routes, SSE, auth, the page                       metrics.py Prometheus metrics
+responses.py OpenAI response objects, usage, the page's trace
 build.py     make_service (target -> running worker), LiveServer (uvicorn in a thread)
 cli.py       ``ddspec serve`` flags                             bench.py   ``ddspec bench-serve``
 """

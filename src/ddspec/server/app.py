@@ -19,7 +19,6 @@ import asyncio
 import copy
 import hmac
 import time
-import uuid
 from dataclasses import dataclass
 from importlib import resources
 
@@ -29,17 +28,17 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
-from ddspec.engine import Chunk, RunStats
 from ddspec.errors import DdspecError
-from ddspec.methods import tree_config
+from ddspec.methods import split_method, tree_config
 from ddspec.prompts import chat_prompt_ids
 from ddspec.server.metrics import Metrics
 from ddspec.server.protocol import ApiError, Request, parse_json, parse_request
+from ddspec.server.responses import FINISH, Answer, sse, trace_of, usage
 from ddspec.server.worker import EngineWorker, Job
 
 STATIC = resources.files("ddspec.server") / "static"
-FINISH = {"eos": "stop", "stop_string": "stop", "length": "length"}
 POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+MAX_SIZES = {"depth": 16, "top_k": 16, "total_tokens": 128}  # per-request tree sizes (METHOD@dXkYnZ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +120,16 @@ class Service:
                                 f"This server serves `{self.config.model_name}`.", param="model",
                            code="model_not_found")
         method = req.method or self.worker.default_method
-        if method.split("@")[0] not in self.config.methods:
+        name, sizes = split_method(method)
+        if name not in self.config.methods:
             raise ApiError(400, f"ddspec.method {method!r} is not available here: this server runs "
                                 f"{', '.join(self.config.methods)} (tree methods need a draft head)",
                            param="ddspec.method")
+        too_big = {k: v for k, v in sizes.items() if v > MAX_SIZES[k]}
+        if too_big and method != self.worker.default_method:
+            raise ApiError(400, f"ddspec.method {method!r}: a request's tree may have at most depth "
+                                f"{MAX_SIZES['depth']}, top_k {MAX_SIZES['top_k']} and {MAX_SIZES['total_tokens']} "
+                                "tokens (start the server with bigger ones instead)", param="ddspec.method")
         ids = self.prompt_ids(req)
         stop = StopConfig(max_new_tokens=self.budget(len(ids), req.max_tokens, method), stop_strings=req.stop)
         return Job(ids, stop, req.sampling, method, req.prefix_reuse and self.config.prefix_reuse, req.trace, loop)
@@ -166,89 +171,6 @@ async def read_body(request: HttpRequest, limit: int) -> bytes:
                                 "(--max-body-bytes)", code="request_too_large")
         parts.append(part)
     return b"".join(parts)
-
-
-# -- response shapes ----------------------------------------------------------------------
-def usage(stats: RunStats, completion_tokens: int, method: str) -> dict:
-    n = len(stats.steps)
-    draft = sum(s.draft_ms for s in stats.steps)
-    verify = sum(s.verify_ms for s in stats.steps)
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": stats.prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
-        "ddspec": {
-            "method": method,
-            "tau": round(stats.tau, 4),
-            "steps": n,
-            "draft_ms": round(draft, 2),
-            "verify_ms": round(verify, 2),
-            "mean_tree_size": round(sum(s.tree_size for s in stats.steps) / n, 2) if n else 0.0,
-            "prefill_ms": round(stats.prefill_s * 1e3, 2),
-            "reused_prompt_tokens": stats.reused_tokens,
-            "wall_ms": round(stats.wall_s * 1e3, 2),
-            "tokens_per_s": round(stats.tokens_per_s, 2),
-        },
-    }
-
-
-def trace_of(chunk: Chunk, tokenizer) -> dict:
-    """The page's view of a chunk: its token count, the step's stats, and its tree with token texts."""
-    out: dict = {"new_tokens": len(chunk.token_ids)}
-    if chunk.step is not None:
-        s = chunk.step
-        out["step"] = {"accepted": s.accepted, "tree_size": s.tree_size, "depth": s.depth,
-                       "draft_ms": round(s.draft_ms, 2), "verify_ms": round(s.verify_ms, 2)}
-    if chunk.tree is not None:
-        t = chunk.tree
-        tree = {"tokens": t.tokens, "texts": [tokenizer.decode([i]) for i in t.tokens], "parents": t.parents,
-                "scores": [round(x, 3) for x in t.scores], "path": t.path}
-        if len(chunk.token_ids) == len(t.path):  # not cut by a stop: the last token is the bonus
-            tree["bonus_text"] = tokenizer.decode([chunk.token_ids[-1]])
-        out["tree"] = tree
-    return out
-
-
-class Answer:
-    """Builds the OpenAI objects of one request, streaming or whole."""
-
-    def __init__(self, req: Request, model: str, method: str) -> None:
-        self.req, self.model, self.method = req, model, method
-        self.chat = req.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def _frame(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
-
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, extra: dict | None = None) -> dict:
-        more = {"ddspec": extra} if extra else {}
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return self._frame("chat.completion.chunk", [choice], **more)
-        return self._frame("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
-                                                "finish_reason": finish}], **more)
-
-    def usage_chunk(self, usage_: dict) -> dict:
-        return self._frame("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage_)
-
-    def whole(self, text: str, finish: str, usage_: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
-            return self._frame("chat.completion", [choice], usage=usage_)
-        return self._frame("text_completion", [{"index": 0, "text": text, "logprobs": None,
-                                                "finish_reason": finish}], usage=usage_)
-
-
-def sse(obj: dict | str) -> bytes:
-    import json
-
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 # -- the app ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
 
 log = logging.getLogger("ddspec.server")
+MAX_DRAFTERS = 8  # methods whose drafters stay built
 
 
 @dataclass(eq=False)
@@ -95,9 +96,15 @@ class EngineWorker:
         return self._depth
 
     def drafter(self, method: str):
-        """The drafter for ``method`` (built on first use; call from the worker thread or before start)."""
+        """The drafter for ``method`` (built on first use; call from the worker thread or before start).
+        At most ``MAX_DRAFTERS`` are kept (each holds a head KV cache): the least recently used other
+        than the default method's goes first."""
         if method not in self._drafters:
+            if len(self._drafters) >= MAX_DRAFTERS:
+                oldest = next(m for m in self._drafters if m != self.default_method)
+                del self._drafters[oldest]
             self._drafters[method] = self._make_drafter(method)
+        self._drafters[method] = self._drafters.pop(method)  # most recently used last
         return self._drafters[method]
 
     # -- admission ------------------------------------------------------------------------
