@@ -201,3 +201,15 @@ def test_auto_method_is_ddspec_with_a_head_and_vanilla_without(tiny_targets, def
     assert default_method(tiny, None) == "vanilla"  # no head ships for a tiny random model
     assert default_method(tiny, "random") == "ddspec"
     assert default_method(default_native, None) == "ddspec"  # the shipped SmolLM2 head
+
+
+@pytest.mark.parametrize("method", SPEC_METHODS)
+def test_drafts_stay_inside_the_context_window(tiny_targets, method):
+    """A prompt near the end of the window: trees must not reach past it (RoPE tables end there)."""
+    target = tiny_targets[("llama", "native")]
+    window = target.info.max_position
+    prompt = [(7 * i) % 100 + 5 for i in range(window - 12)]
+    stop = StopConfig(max_new_tokens=32, stop_on_eos=False)
+    ref = plain(target, prompt, 32).token_ids
+    res = Engine(target, eagle(target, method)).generate(prompt, stop)
+    assert res.token_ids == ref and len(ref) == 12  # the budget ends at the window

@@ -204,9 +204,14 @@ class EagleDrafter:
         return self._committed
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
-        self._plain_step = self.cost_policy is not None and not self.cost_policy.draft_now()
+        # a node at depth d sits at position + d, which must stay inside the context window
+        self._room = self.target.info.max_position - 1 - position
+        too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
+        self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now())
         self._caught_up = False
         if self._plain_step:
+            if too_deep and self.cost_policy is not None:
+                self.cost_policy.drafting, self.cost_policy.levels = False, 0
             return DraftTree.root_only(root)
         self._flush_pending()
         self._committed = self.cache.length
@@ -227,7 +232,7 @@ class EagleDrafter:
         parent_slot = torch.full((frontier.numel(),), -1, dtype=torch.long, device=self.device)
         level = 1
         best_child = candidates.scores[:1]  # the best root child's log-prob
-        while self._continue(policy, level, candidates, frontier, best_child):
+        while level < self._room and self._continue(policy, level, candidates, frontier, best_child):
             mask = slots.add(parent_slot)
             first_slot = slots.rows.shape[0] - frontier.numel()
             hidden = self._run(parent_hidden, self.to_target_ids(candidates.tokens[frontier]),
