@@ -114,7 +114,7 @@ def forced_kernel() -> str | None:
     return value
 
 
-def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: int = 5,
+def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: int = 3,
                  progress=None) -> KernelPlan:
     """Time every candidate kernel over all the weights of ``groups`` (as one forward streams
     them), per row bucket, interleaved, and keep the fastest per bucket (median of ``reps``)."""

@@ -207,7 +207,7 @@ class NativeLlama:
         few layers' own weights and on the lm_head."""
         import sys
 
-        probe_layers = range(min(6, self.arch.num_layers))
+        probe_layers = range(min(4, self.arch.num_layers))
 
         def layers(options: tuple[str, ...]) -> KernelPlan:
             print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
