@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddspec.draft.head import HeadMLP, RMSNormWeight
+from ddspec.draft.head import HeadMLP, RMSNormWeight, cached_rotary
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import TargetOutput
 from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
@@ -106,10 +106,7 @@ class Eagle3Head(nn.Module):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def rotary(self) -> Rotary:
-        p = self.fc.weight
-        if self._rotary is None or self._rotary.cos.device != p.device or self._rotary.cos.dtype != p.dtype:
-            self._rotary = Rotary(self.arch, p.device, p.dtype)
-        return self._rotary
+        return cached_rotary(self)
 
     def new_cache(self, max_length: int) -> StaticKVCache:
         p, a = self.fc.weight, self.arch

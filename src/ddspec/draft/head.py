@@ -37,6 +37,14 @@ def fusion_input(states: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
     return torch.cat([F.rms_norm(s.float(), (s.shape[-1],), None, eps) for s in states], dim=-1)
 
 
+def cached_rotary(head: nn.Module) -> Rotary:
+    """A head's RoPE tables, built once for its weights' device and dtype (kept in ``head._rotary``)."""
+    p = head.fc.weight
+    if head._rotary is None or head._rotary.cos.device != p.device or head._rotary.cos.dtype != p.dtype:
+        head._rotary = Rotary(head.arch, p.device, p.dtype)
+    return head._rotary
+
+
 class RMSNormWeight(nn.Module):
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -146,10 +154,7 @@ class EagleHead(nn.Module):
         return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
 
     def rotary(self) -> Rotary:
-        p = self.fc.weight
-        if self._rotary is None or self._rotary.cos.device != p.device or self._rotary.cos.dtype != p.dtype:
-            self._rotary = Rotary(self.arch, p.device, p.dtype)
-        return self._rotary
+        return cached_rotary(self)
 
     def new_cache(self, max_length: int) -> StaticKVCache:
         p = self.fc.weight
