@@ -161,7 +161,7 @@ def test_forward_batch_matches_single(tiny_targets):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kernel", ["linear", "onednn"])
+@pytest.mark.parametrize("kernel", ["linear", "onednn", "native"])
 def test_every_matmul_kernel_gives_the_same_logits(tiny_dirs, family, kernel, monkeypatch):
     """The kernels chosen per row count change speed, not results (1-5 rows, with a prefix; TOL)."""
     from ddspec.models.loading import load_target

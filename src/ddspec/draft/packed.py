@@ -17,7 +17,7 @@ import torch
 
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
-from ddspec.models.llama import LlamaLayer, layer_forward
+from ddspec.models.llama import LlamaLayer, layer_forward, native_layers_forward
 
 
 def _plan_for(name: str, weights: list[torch.Tensor], build) -> KernelPlan:
@@ -55,9 +55,16 @@ class PackedHead:
         cache: StaticKVCache,  # written at slots [length, length + N)
     ) -> torch.Tensor:
         """Predicted features f̂_{t+1}: [1, N, H]."""
-        x = self.fc(torch.cat([embeds, features], dim=-1), self.plan.kernel(embeds.shape[1]))
+        n = embeds.shape[1]
+        kernel = self.plan.kernel(n)
+        x = self.fc(torch.cat([embeds, features], dim=-1), kernel)
         if self.fc_bias is not None:
             x = x + self.fc_bias
+        if kernel == "native":  # each layer one C call (the head's layers are Llama layers)
+            flat = None if mask is None else mask.reshape(n, -1)
+            x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, flat)
+            cache.advance(n)
+            return x.view(1, n, -1)
         for i, layer in enumerate(self.layers):
             x = layer_forward(layer, x, self.arch, self.rotary, positions,
                               lambda k, v, i=i: cache.write(i, k, v), mask)

@@ -13,10 +13,14 @@ on the model's own weights for each row-count bucket, and the fastest per bucket
 - ``linear``: ``F.linear(x, W)`` with W stored [out, in] (MKL).
 - ``onednn``: oneDNN with W packed once (the batch hint only steers the layout; one packing
   serves every row count).
+- ``native``: ddspec's own C kernels (native/ddspec_kernels.c): fp32 W [out, in], or, for a
+  model converted from a GGUF, the weight's Q4_1 / Q8_0 blocks turned back into the same fp32
+  values inside the kernel (a seventh of the bytes to read). Where a layer's plan says
+  ``native``, the whole decoder layer runs as one C call (models/llama.py).
 
 :class:`Weight` holds one matrix in the layouts its kernels need; :class:`KernelPlan` maps a row
 count to a kernel. Results agree with ``torch.mm`` to fp32 rounding (tests/test_kernels.py).
-Set ``DDSPEC_KERNEL=mm|linear|onednn`` to force one kernel everywhere (``auto`` = measure).
+Set ``DDSPEC_KERNEL=mm|linear|onednn|native`` to force one kernel everywhere (``auto`` = measure).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 
 from ddspec.errors import ConfigError
 
-KERNELS = ("mm", "linear", "onednn")
+KERNELS = ("mm", "linear", "onednn", "native")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts measured; others use the bucket above
 ONEDNN_HINT = 8
 
@@ -70,13 +74,19 @@ class KernelPlan:
 class Weight:
     """One linear's weight W [out, in] in the layouts the given kernels read."""
 
-    __slots__ = ("out_features", "in_features", "io", "oi", "packed")
+    __slots__ = ("out_features", "in_features", "io", "oi", "packed", "native")
 
-    def __init__(self, w_oi: torch.Tensor, kernels: set[str]) -> None:
+    def __init__(self, w_oi: torch.Tensor, kernels: set[str], native=None) -> None:
+        """native: the weight's NativeWeight for the ``native`` kernel (GGUF blocks); None = its fp32 values."""
         self.out_features, self.in_features = w_oi.shape
         self.io = w_oi.t().contiguous() if "mm" in kernels else None  # [in, out]
         self.oi = w_oi.contiguous() if "linear" in kernels else None  # [out, in]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w_oi.contiguous(), ONEDNN_HINT) if "onednn" in kernels else None
+        self.native = None
+        if "native" in kernels:
+            from ddspec.native import NativeWeight
+
+            self.native = native if native is not None else NativeWeight.dense(w_oi)
 
     def keep(self, kernels: set[str]) -> None:
         """Drop the layouts no chosen kernel reads (frees their memory)."""
@@ -86,11 +96,15 @@ class Weight:
             self.oi = None
         if "onednn" not in kernels:
             self.packed = None
+        if "native" not in kernels:
+            self.native = None
 
     def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
         """x [..., in] @ W^T -> [..., out] through ``kernel``."""
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if kernel == "native":
+            return self.native(x)
         if kernel == "linear":
             return F.linear(x, self.oi)
         return torch.matmul(x, self.io)
@@ -101,7 +115,8 @@ class Weight:
             return self.io
         if self.oi is not None:
             return self.oi.t()
-        return self(torch.eye(self.in_features, dtype=self.packed.dtype, device=self.packed.device), "onednn")
+        kernel = "onednn" if self.packed is not None else "native"
+        return self(torch.eye(self.in_features, dtype=torch.float32), kernel)  # one-hot rows: exact
 
 
 def forced_kernel() -> str | None:
@@ -137,30 +152,39 @@ def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: 
     return KernelPlan(tuple(chosen))
 
 
-def _any_layout(w: Weight) -> torch.Tensor:
-    return next(t for t in (w.io, w.oi, w.packed) if t is not None)
+def _any_layout(w: Weight) -> torch.Tensor | None:
+    return next((t for t in (w.io, w.oi, w.packed) if t is not None), None)
 
 
 def _dtype(w: Weight) -> torch.dtype:
-    return _any_layout(w).dtype
+    t = _any_layout(w)
+    return torch.float32 if t is None else t.dtype  # native weights compute in fp32
 
 
 def _device(w: Weight) -> torch.device:
-    return _any_layout(w).device
+    t = _any_layout(w)
+    return torch.device("cpu") if t is None else t.device
 
 
 # -- choosing, once per machine ---------------------------------------------------------------
 def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     if device.type != "cpu":
         return ("mm",)  # GPUs: the vendor GEMM is the right answer
-    return KERNELS if onednn_available(device, dtype) else ("mm", "linear")
+    options = ["mm", "linear"] + (["onednn"] if onednn_available(device, dtype) else [])
+    if dtype == torch.float32:
+        from ddspec import native
+
+        if native.available():
+            options.append("native")
+    return tuple(options)
 
 
 def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                measure) -> KernelPlan:
+                measure, variant: str = "") -> KernelPlan:
     """The cached plan for these weight shapes on this machine, or ``measure(candidates)`` (then cached).
 
-    The cache key names the CPU, torch build, thread count, dtype and the shapes; a forced
+    The cache key names the CPU, torch build, thread count, dtype, the shapes and ``variant``
+    (how the weights are stored, e.g. which are GGUF blocks); a forced
     kernel (``DDSPEC_KERNEL``) or a single candidate skips measuring.
     """
     import hashlib
@@ -178,7 +202,11 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
     if len(options) == 1:
         return KernelPlan.uniform(options[0])
     key = {"format": 1, "name": name, "shapes": shapes, "cpu": cpu_name(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "dtype": str(dtype), "candidates": list(options)}
+           "threads": torch.get_num_threads(), "dtype": str(dtype), "candidates": list(options), "variant": variant}
+    if "native" in options:
+        from ddspec import native
+
+        key["native"] = native.build_id()
     path = cache_root() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(path.read_text())

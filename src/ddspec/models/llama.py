@@ -84,26 +84,73 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 class LlamaLayer:
     """One decoder layer's weights: fused qkv and gate+up, each a :class:`Weight` in the layouts
-    of the kernels ``plan`` chooses (shared by all layers of a model)."""
+    of the kernels ``plan`` chooses (shared by all layers of a model).
+
+    blocks: GGUF blocks of some weights by name (models/gguf_blocks.py), read by the ``native``
+    kernel instead of the fp32 values. With ``native`` among the kernels, ``self.fused``
+    describes the whole layer to ``dd_layer_forward``."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, plan: KernelPlan,
-                 kernels: set[str] | None = None) -> None:
+                 kernels: set[str] | None = None, blocks: dict | None = None) -> None:
         attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
         kernels = plan.needed if kernels is None else kernels
         self.plan = plan
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
-        self.qkv = Weight(torch.cat([w[f"{attn}{p}_proj.weight"] for p in "qkv"]), kernels)
+        qkv_names = [f"{attn}{p}_proj.weight" for p in "qkv"]
+        gate_up_names = [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]
+        native = _native_parts(blocks, kernels)
+        self.qkv = Weight(torch.cat([w[n] for n in qkv_names]), kernels, native(qkv_names))
         self.qkv_bias = (
             torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
         )
-        self.o = Weight(w[f"{attn}o_proj.weight"], kernels)
-        self.gate_up = Weight(torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]), kernels)
-        self.down = Weight(w[f"{mlp}down_proj.weight"], kernels)
+        self.o = Weight(w[f"{attn}o_proj.weight"], kernels, native([f"{attn}o_proj.weight"]))
+        self.gate_up = Weight(torch.cat([w[n] for n in gate_up_names]), kernels, native(gate_up_names))
+        self.down = Weight(w[f"{mlp}down_proj.weight"], kernels, native([f"{mlp}down_proj.weight"]))
+        self.fused = None
+        if "native" in kernels:
+            from ddspec import native as native_lib
+
+            self._qkv_native = self.qkv.native.with_bias(self.qkv_bias)  # the struct points into it: keep it
+            self.fused = native_lib.layer_struct(arch, self.input_norm, self.post_norm, self._qkv_native,
+                                                 self.o.native, self.gate_up.native, self.down.native)
 
     @property
     def weights(self) -> list[Weight]:
         return [self.qkv, self.o, self.gate_up, self.down]
+
+
+def _native_parts(blocks: dict | None, kernels: set[str]):
+    """names -> the stacked NativeWeight of those GGUF block weights, or None (use fp32 values)."""
+    def parts(names: list[str]):
+        if "native" not in kernels or not blocks or any(n not in blocks for n in names):
+            return None
+        from ddspec.native import concat
+
+        found = [blocks[n] for n in names]
+        return found[0] if len(found) == 1 else concat(found) if len({b.kind for b in found}) == 1 else None
+    return parts
+
+
+def native_layers_forward(layers: list[LlamaLayer], x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
+                          cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
+                          first: int = 0) -> torch.Tensor:
+    """The decoder layers as one C call each (``dd_layer_forward``), in place on x [N, H].
+
+    The same maths as :func:`layer_forward`; the new keys and values go into ``cache`` (layer
+    ``first + i``) at its current length. mask: [N, length + N] bool or None (see everything).
+    Residual streams entering the layers in ``hidden_layers`` are copied into ``hidden``."""
+    from ddspec.native import layer_forward as fused_forward
+
+    x = x.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    mask = None if mask is None else mask.to(torch.bool).contiguous()
+    for i, layer in enumerate(layers):
+        if i in hidden_layers:
+            hidden[i] = x.clone()
+        fused_forward(layer.fused, x, positions, rotary.cos, rotary.sin, cache.keys[first + i, 0],
+                      cache.values[first + i, 0], cache.length, mask)
+    return x
 
 
 class Rotary:
@@ -183,9 +230,12 @@ class NativeLlama:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         plans: tuple[KernelPlan, KernelPlan] | None = None,
+        gguf=None,
     ) -> None:
         """plans: the matmul kernels of the decoder layers and of the lm_head (models/kernels.py);
-        None = the cached choice for this machine, measured on first use (a few seconds)."""
+        None = the cached choice for this machine, measured on first use (a few seconds).
+        gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
+        then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes)."""
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.hf_config = dict(hf_config)
         self.info, self.tokenizer = info, tokenizer
@@ -195,12 +245,25 @@ class NativeLlama:
         self.norm = w["norm.weight"]
         head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self._lm_head_oi = head  # [V, H] (the embeddings when tied: no copy)
+        self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
         self.layer_plan, self.head_plan = plans or self._choose_plans(w, head)
-        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan)
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=self.blocks)
                        for i in range(self.arch.num_layers)]
-        self.lm_head_w = Weight(head, self.head_plan.needed)
+        head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
+        self.lm_head_w = Weight(head, self.head_plan.needed, self.blocks.get(head_name))
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
+
+    def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return {}
+        from ddspec import native
+
+        if not native.available():
+            return {}
+        from ddspec.models.gguf_blocks import native_weights
+
+        return native_weights(gguf, w)
 
     def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
@@ -211,15 +274,19 @@ class NativeLlama:
 
         def layers(options: tuple[str, ...]) -> KernelPlan:
             print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
-            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options)) for i in probe_layers]
+            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options), self.blocks)
+                     for i in probe_layers]
             return measure_plan([layer.weights for layer in probe], options)
 
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
-        layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers)
+        variant = ",".join(sorted({f"{b.kind}" for b in self.blocks.values()}))  # which GGUF blocks the native kernel reads
+        head_blocks = self.blocks.get("embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight")
+        layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers, variant)
         head_plan = choose_plan("lm_head", [list(head.shape)], self.device, self.dtype,
-                                lambda options: measure_plan([[Weight(head, set(options))]], options))
+                                lambda options: measure_plan([[Weight(head, set(options), head_blocks)]], options),
+                                head_blocks.kind if head_blocks is not None else "")
         return layer_plan, head_plan
 
     # -- cache ---------------------------------------------------------------------------
@@ -279,6 +346,13 @@ class NativeLlama:
         positions = positions.to(self.device)
         x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
         hidden: dict[int, torch.Tensor] = {}
+        if self.layer_plan.kernel(n) == "native":
+            x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers, hidden)
+            cache.advance(n)
+            features = self.final_norm(x)
+            if self.arch.num_layers in hidden_layers:
+                hidden[self.arch.num_layers] = features
+            return TargetOutput(self.lm_head(features), features, hidden)
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x[0]

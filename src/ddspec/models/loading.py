@@ -192,6 +192,7 @@ def load_target(
     if impl not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     model_dir = resolve_model_dir(spec)
+    gguf = _gguf_source(spec)
     cfg = read_config(model_dir)
     family = cfg.get("model_type", "unknown")
     tokenizer = load_tokenizer(model_dir)
@@ -205,8 +206,16 @@ def load_target(
     if impl == "native" or (impl == "auto" and native_ok):
         from ddspec.models.llama import NativeLlama
 
-        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype)
+        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype, gguf=gguf)
     return load_hf_target(model_dir, info, tokenizer, device, dtype)
+
+
+def _gguf_source(spec: str) -> Path | None:
+    """The GGUF file a spec's weights were dequantised from (its blocks feed the native kernel)."""
+    if spec == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(spec).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def _needs_sliding_window(cfg: dict) -> bool:

@@ -1,0 +1,170 @@
+"""A GGUF checkpoint's quantised blocks, matched to the fp32 weights they were dequantised into.
+
+The default model ships as a Q4_1 GGUF; ddspec's fp32 model *is* its dequantisation (gguf-py's
+formulas, done once when the GGUF is converted). So a kernel that reads the 4.5-bit blocks
+and rebuilds each weight with the same formula computes with exactly the fp32 model's weights
+while reading a seventh of the bytes (native/ddspec_kernels.c).
+
+Nothing is assumed about how the converter renamed or reordered things: each GGUF tensor is
+dequantised here and compared, bit for bit, with the fp32 weight it should become (HF's GGUF
+loader permutes the rows of q and k; the permutation is recovered by matching rows). A weight
+that does not match exactly is simply not offered to the quantised kernel.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddspec.native import NativeWeight
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+BLOCK = 32
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF weight name of a GGUF tensor name (None for tensors we do not read blocks of)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight"}.get(gguf_name)
+
+
+def _split(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
+    """raw [rows, bytes] -> (qs, d, m) arrays per block; m is None for q8_0."""
+    if kind == "q4_1":
+        b = raw.reshape(rows, -1, 20)
+        return b[..., 4:], b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]
+    b = raw.reshape(rows, -1, 34)
+    return b[..., 2:].copy().view(np.int8), b[..., 0:2].copy().view(np.float16)[..., 0], None
+
+
+def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """fp32 weights [rows, in] by gguf-py's formulas (Q4_1: d*q + m; Q8_0: q*d), unfused."""
+    d32 = d.astype(np.float32)[..., None]
+    if kind == "q4_1":
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # elements 0-15, 16-31
+        w = (d32 * q) + m.astype(np.float32)[..., None]
+    else:
+        w = qs.astype(np.float32) * d32
+    return w.reshape(w.shape[0], -1)
+
+
+def _row_order(deq: np.ndarray, dense: np.ndarray) -> np.ndarray | None:
+    """The permutation p with deq[p] == dense bit for bit, or None."""
+    if deq.shape != dense.shape:
+        return None
+    if np.array_equal(deq.view(np.uint32), dense.view(np.uint32)):
+        return np.arange(deq.shape[0])
+    where = {row.tobytes(): i for i, row in enumerate(deq)}
+    order = [where.get(row.tobytes()) for row in dense]
+    return None if any(i is None for i in order) else np.asarray(order)
+
+
+_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0"}  # GGML tensor types we may read (others are skipped)
+_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+
+
+def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF tensor name -> (kind, raw block bytes [rows, bytes per row]) for its Q4_1 and Q8_0
+    tensors (memory-mapped). A small reader of the GGUF v2/v3 layout: it skips the metadata
+    (gguf-py's reader decodes every vocabulary string, ~9 s for this model's)."""
+    import struct
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        vals = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return vals if len(vals) > 1 else vals[0]
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+    def skip_value(vtype: int) -> object:
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = take("IQ")
+            if etype in _SCALARS:
+                pos += _SCALARS[etype] * count
+            else:
+                for _ in range(count):
+                    skip_value(etype)
+            return None
+        value = struct.unpack_from("<" + {4: "I", 5: "i", 10: "Q", 11: "q"}.get(vtype, "B"), buf, pos)[0]
+        pos += _SCALARS[vtype]
+        return value
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    pos = 4
+    version, n_tensors, n_kv = take("IQQ")
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    alignment = 32
+    for _ in range(n_kv):
+        key = string()
+        value = skip_value(take("I"))
+        if key == "general.alignment":
+            alignment = int(value)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("Q") for _ in range(take("I"))]
+        ttype, offset = take("IQ")
+        infos.append((name, dims, ttype, offset))
+    start = -(-pos // alignment) * alignment
+    out = {}
+    for name, dims, ttype, offset in infos:
+        kind = _TYPES.get(ttype)
+        if kind not in _BLOCK_BYTES or dims[0] % BLOCK:
+            continue
+        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        nbytes = rows * dims[0] // BLOCK * _BLOCK_BYTES[kind]
+        out[name] = (kind, data[start + offset:start + offset + nbytes].reshape(rows, -1))
+    return out
+
+
+def native_weights(gguf: Path, dense: dict[str, torch.Tensor]) -> dict[str, NativeWeight]:
+    """HF name -> quantised NativeWeight for every Q4_1 / Q8_0 tensor of ``gguf`` whose
+    dequantisation equals ``dense[name]`` exactly (after a row permutation, if any)."""
+    out: dict[str, NativeWeight] = {}
+    skipped = []
+    for gguf_name, (kind, raw) in quantised_tensors(gguf).items():
+        name = hf_name(gguf_name)
+        if name is None or name not in dense:
+            continue
+        target = dense[name].detach().float().contiguous().numpy()
+        rows = target.shape[0]
+        if raw.shape[0] != rows:
+            skipped.append(name)
+            continue
+        qs, d, m = _split(kind, raw, rows)
+        order = _row_order(dequantize(kind, qs, d, m), target)
+        if order is None:
+            skipped.append(name)
+            continue
+        pick = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
+        qs_t, d_t, m_t = pick(qs), pick(d.astype(np.float32)), pick(None if m is None else m.astype(np.float32))
+        out[name] = NativeWeight(kind, rows, target.shape[1], qs=qs_t, d=d_t, m=m_t)
+    if skipped:
+        print(f"ddspec: {len(skipped)} GGUF tensors do not match their fp32 weights exactly (e.g. {skipped[0]}); "
+              "those use fp32 kernels", file=sys.stderr)
+    return out

@@ -1,0 +1,191 @@
+"""ddspec's own CPU kernels (ddspec_kernels.c), compiled on first use and called through ctypes.
+
+:func:`library` returns the loaded library, or None when it cannot be had here (not x86-64
+with AVX2/FMA/F16C, no C compiler, ``DDSPEC_NATIVE=0``); callers then use torch's kernels, so
+nothing depends on it. The build takes about a second (plain C, no torch headers) and is
+cached per source, compiler and flags in ``<cache root>/native/``; it links the OpenMP runtime
+torch already loaded (libgomp), so both share one thread pool.
+
+:class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]``, or the GGUF
+blocks of a Q4_1 / Q8_0 weight (models/gguf_blocks.py). :func:`layer_struct` describes a
+whole decoder layer for ``dd_layer_forward``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("ddspec_kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
+         "-fPIC", "-shared"]
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}
+
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("out", ctypes.c_int64), ("inp", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight)]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_id() -> str:
+    """Names this source built with this compiler and flags (kernel choices are cached per build)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built once per machine), or None; :func:`unavailable_reason` says why."""
+    global _lib, _why_not
+    if _lib is not None or _why_not is not None:
+        return _lib
+    from ddspec.machine import cache_root
+
+    if os.environ.get("DDSPEC_NATIVE", "1").strip() in ("0", "off", "no", "false"):
+        _why_not = "disabled by DDSPEC_NATIVE=0"
+        return None
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        _why_not = "needs an x86-64 CPU with AVX2, FMA and F16C"
+        return None
+    path = cache_root() / "native" / f"ddspec_kernels-{build_id()}.so"
+    try:
+        if not path.is_file():
+            print("ddspec: compiling ddspec's CPU kernels (once, about a second)", file=sys.stderr)
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        _why_not = f"could not build or load {path.name}: {e}"
+        print(f"ddspec: {_why_not}; using torch's kernels", file=sys.stderr)
+        return None
+    lib.dd_gemm.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.dd_gemm.restype = ctypes.c_int
+    lib.dd_layer_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.dd_layer_forward.restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _why_not
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class NativeWeight:
+    """One weight as the kernels read it. Holds the tensors it points into.
+
+    kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8 [out, in/32, 16], ``d``/``m`` float32
+    [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32].
+    """
+
+    def __init__(self, kind: str, out: int, inp: int, *, w=None, qs=None, d=None, m=None, bias=None) -> None:
+        self.kind, self.out_features, self.in_features = kind, out, inp
+        self.tensors = [t.contiguous() if t is not None else None for t in (w, qs, d, m, bias)]
+        self.struct = _Weight(KINDS[kind], out, inp, *(_ptr(t) for t in self.tensors))
+
+    @classmethod
+    def dense(cls, w_oi: torch.Tensor, bias: torch.Tensor | None = None) -> "NativeWeight":
+        return cls("f32", w_oi.shape[0], w_oi.shape[1], w=w_oi.float(), bias=bias)
+
+    def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
+        w, qs, d, m, _ = self.tensors
+        return NativeWeight(self.kind, self.out_features, self.in_features, w=w, qs=qs, d=d, m=m, bias=bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] (fp32) @ W^T -> [..., out]."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        rc = library().dd_gemm(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(),
+                               torch.get_num_threads())
+        if rc:
+            raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
+        return y.view(*lead, self.out_features)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def concat(weights: list[NativeWeight]) -> NativeWeight:
+    """Weights of one kind and input width stacked along the outputs (q|k|v, gate|up)."""
+    kind, inp = weights[0].kind, weights[0].in_features
+    if any(w.kind != kind or w.in_features != inp for w in weights):
+        raise ValueError("only weights of one kind and input width can be stacked")
+    parts = [torch.cat([w.tensors[i] for w in weights]) if weights[0].tensors[i] is not None else None
+             for i in range(4)]
+    return NativeWeight(kind, sum(w.out_features for w in weights), inp, w=parts[0], qs=parts[1], d=parts[2], m=parts[3])
+
+
+def layer_struct(arch, in_norm, post_norm, qkv: NativeWeight, o: NativeWeight, gate_up: NativeWeight,
+                 down: NativeWeight) -> _Layer:
+    return _Layer(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, down.in_features,
+                  arch.rms_eps, _ptr(in_norm), _ptr(post_norm), qkv.struct, o.struct, gate_up.struct, down.struct)
+
+
+def layer_forward(layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None) -> None:
+    """Run one decoder layer in place on x [n, H] (contiguous fp32). keys/values: this layer's
+    cache [Hkv, Tmax, D] (contiguous); mask [n, start + n] bool or None (attend to all)."""
+    n = x.shape[0]
+    rc = library().dd_layer_forward(
+        ctypes.byref(layer), x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), keys.shape[1], start,
+        None if mask is None else mask.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"dd_layer_forward refused its sizes (n={n}, start={start}, cache {list(keys.shape)})")

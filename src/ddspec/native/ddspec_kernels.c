@@ -1,0 +1,311 @@
+/* ddspec's CPU kernels: small-row matmuls on GGUF-quantised or fp32 weights, and one whole
+ * Llama decoder layer in a single call.
+ *
+ * Why: on a 2-core CPU a target forward over 1-16 tokens is dominated by two things torch
+ * cannot fix from Python: reading 4-byte weights that the model ships as 4.5-bit GGUF blocks,
+ * and ~40 small ops per layer, each paying dispatch and thread wake-up. Here a layer is one
+ * call with one OpenMP region, and a Q4_1 / Q8_0 weight is read in its GGUF blocks and turned
+ * into exactly the fp32 values the dequantised checkpoint holds (gguf-py's formulas:
+ * Q4_1 w = fl(fl(d*q) + m), Q8_0 w = fl(q*d), no fused multiply-add), so the maths is the
+ * fp32 model's; only the order of the sums differs from torch's kernels.
+ *
+ * Every matmul output is computed by one thread, in an order that depends neither on the
+ * number of rows in the call nor on the thread count: row r of a 16-row matmul equals the
+ * same row computed alone, bit for bit. (Attention over a tree sums its scores in another
+ * order than over a chain, so whole forwards agree to fp32 rounding, not bit for bit.)
+ *
+ * Built on first use by ddspec/native/__init__.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp
+ * -ffp-contract=off) and called through ctypes; nothing here allocates memory the caller sees.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2 };
+
+typedef struct {
+    int64_t kind, out, in;
+    const float *w;      /* DD_F32: [out, in] row-major */
+    const uint8_t *qs;   /* DD_Q4_1: [out, in/32, 16] nibbles; DD_Q8_0: [out, in/32, 32] int8 */
+    const float *d, *m;  /* [out, in/32] block scales and (Q4_1) minimums */
+    const float *bias;   /* [out] or NULL */
+} dd_weight;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+    const float *in_norm;   /* [hidden] or NULL (EAGLE heads have no first norm) */
+    const float *post_norm; /* [hidden] */
+    dd_weight qkv, o, gate_up, down;
+} dd_layer;
+
+#define TILE 6 /* rows per pass over a weight row: 2 accumulators each, 12 of 16 ymm registers */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The 32 fp32 weights of block b of output row o, in order, as 4 x 8 lanes (one per kind). */
+static inline __attribute__((always_inline)) void block_q4_1(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
+    const int64_t nb = W->in / 32;
+    const __m128i v = _mm_loadu_si128((const __m128i *)(W->qs + (o * nb + b) * 16));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m256 d = _mm256_set1_ps(W->d[o * nb + b]), m = _mm256_set1_ps(W->m[o * nb + b]);
+    w[0] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d), m);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d), m);
+    w[2] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d), m);
+    w[3] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d), m);
+}
+
+static inline __attribute__((always_inline)) void block_q8_0(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
+    const int64_t nb = W->in / 32;
+    const uint8_t *q = W->qs + (o * nb + b) * 32;
+    const __m256 d = _mm256_set1_ps(W->d[o * nb + b]);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), d);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))), d);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16)))), d);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 24)))), d);
+}
+
+static inline __attribute__((always_inline)) void block_f32(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
+    const float *p = W->w + o * W->in + b * 32;
+    w[0] = _mm256_loadu_ps(p);
+    w[1] = _mm256_loadu_ps(p + 8);
+    w[2] = _mm256_loadu_ps(p + 16);
+    w[3] = _mm256_loadu_ps(p + 24);
+}
+
+/* y[r, o] (+)= x[r, :] . W[o, :] (+ bias[o]) for R rows (a compile-time constant): one pass
+ * over W's row o, 2 accumulators per row, the same order of sums whatever R is. */
+#define DOT_ROWS(KIND, R)                                                                          \
+    static void dot_##KIND##_##R(const dd_weight *W, int64_t o, const float *x, int64_t ldx,       \
+                                 float *y, int64_t ldy, int accumulate) {                          \
+        __m256 a0[R], a1[R];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps(); \
+        const int64_t nb = W->in / 32;                                                             \
+        for (int64_t b = 0; b < nb; b++) {                                                         \
+            __m256 w[4];                                                                           \
+            block_##KIND(W, o, b, w);                                                              \
+            const float *xb = x + b * 32;                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                const float *xr = xb + r * ldx;                                                    \
+                a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], a0[r]);                         \
+                a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a1[r]);                     \
+                a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a0[r]);                    \
+                a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a1[r]);                    \
+            }                                                                                      \
+        }                                                                                          \
+        const float bias = W->bias ? W->bias[o] : 0.0f;                                            \
+        for (int r = 0; r < R; r++) {                                                              \
+            float s = hsum8(_mm256_add_ps(a0[r], a1[r]));                                          \
+            for (int64_t k = nb * 32; k < W->in; k++) s += x[r * ldx + k] * W->w[o * W->in + k];  \
+            s += bias;                                                                             \
+            if (accumulate) y[r * ldy + o] += s; else y[r * ldy + o] = s;                          \
+        }                                                                                          \
+    }
+
+#define DOT_ALL(KIND) DOT_ROWS(KIND, 1) DOT_ROWS(KIND, 2) DOT_ROWS(KIND, 3) DOT_ROWS(KIND, 4) \
+    DOT_ROWS(KIND, 5) DOT_ROWS(KIND, 6)                                                       \
+    static void rows_##KIND(const dd_weight *W, int64_t o, const float *x, int64_t n, float *y, \
+                            int64_t ldy, int acc) {                                          \
+        const int64_t ldx = W->in;                                                           \
+        int64_t r = 0;                                                                       \
+        for (; r + TILE <= n; r += TILE) dot_##KIND##_6(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); \
+        switch (n - r) {                                                                     \
+        case 1: dot_##KIND##_1(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+        case 2: dot_##KIND##_2(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+        case 3: dot_##KIND##_3(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+        case 4: dot_##KIND##_4(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+        case 5: dot_##KIND##_5(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+        default: break;                                                                      \
+        }                                                                                    \
+    }
+
+DOT_ALL(q4_1)
+DOT_ALL(q8_0)
+DOT_ALL(f32)
+
+/* y [n, out] (+)= x [n, in] @ W^T; the outputs are shared among the threads of the enclosing
+ * parallel region (an orphaned `omp for`: also correct when called outside one). */
+static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    if (W->kind == DD_Q4_1) {
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < W->out; o++) rows_q4_1(W, o, x, n, y, ldy, acc);
+    } else if (W->kind == DD_Q8_0) {
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < W->out; o++) rows_q8_0(W, o, x, n, y, ldy, acc);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t o = 0; o < W->out; o++) rows_f32(W, o, x, n, y, ldy, acc);
+    }
+}
+
+int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
+    if (W->kind != DD_F32 && W->in % 32) return 1;
+#pragma omp parallel num_threads(nthreads)
+    gemm_shared(W, x, n, y, W->out, 0);
+    return 0;
+}
+
+/* e^x on 8 lanes (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; e^-inf = 0). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline float exp1(float x) {
+    return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x))));
+}
+
+/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. */
+static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+/* x <- x*cos + rotate_half(x)*sin over one head vector of D values (torch's formula, unfused). */
+static void rope(float *x, const float *cos_p, const float *sin_p, int64_t dim) {
+    const int64_t half = dim / 2;
+    float tmp[512];
+    memcpy(tmp, x, (size_t)dim * sizeof(float));
+    for (int64_t i = 0; i < half; i++) x[i] = tmp[i] * cos_p[i] + (-tmp[i + half]) * sin_p[i];
+    for (int64_t i = half; i < dim; i++) x[i] = tmp[i] * cos_p[i] + tmp[i - half] * sin_p[i];
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    float s = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden].
+ * k/v caches: [kv_heads, tmax, head_dim] for this layer; the new keys and values are written
+ * at slots [start, start + n). mask: [n, start + n] (1 = attend) or NULL to attend to all of
+ * them. cos/sin: [max_position, head_dim]. Returns 0, or 1 when a size is out of range. */
+int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                     const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
+                     const uint8_t *mask, int nthreads) {
+    const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter;
+    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n, group = nh / nkv;
+    if (D > 512 || T > tmax || L->qkv.out != wqkv || L->gate_up.out != 2 * I) return 1;
+    float *buf = malloc(sizeof(float) * (size_t)(n * H + n * wqkv + n * nq + n * 2 * I + n * I + nthreads * T));
+    if (!buf) return 2;
+    float *h = buf, *qkv = h + n * H, *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
+    float *scores_all = act + n * I;
+    const float scale = 1.0f / sqrtf((float)D);
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = scores_all + (int64_t)omp_get_thread_num() * T;
+        /* 1. input norm, then q, k, v */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, h + i * H);
+            else memcpy(h + i * H, x + i * H, sizeof(float) * (size_t)H);
+        }
+        gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
+        /* 2. RoPE on q and k; keys and values into the cache */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n * (nh + nkv); j++) {
+            const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
+            float *v = qkv + i * wqkv + head * D;
+            rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
+            if (head >= nh) {
+                const int64_t g = head - nh;
+                memcpy(kc + (g * tmax + start + i) * D, v, sizeof(float) * (size_t)D);
+                memcpy(vc + (g * tmax + start + i) * D, qkv + i * wqkv + nq + nk + g * D, sizeof(float) * (size_t)D);
+            }
+        }
+        /* 3. attention, one (token, head) pair per iteration */
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n * nh; j++) {
+            const int64_t i = j / nh, head = j % nh, g = head / group;
+            const float *q = qkv + i * wqkv + head * D, *keys = kc + g * tmax * D, *vals = vc + g * tmax * D;
+            const uint8_t *mrow = mask ? mask + i * T : NULL;
+            float mx = -INFINITY;
+            for (int64_t t = 0; t < T; t++) {
+                if (mrow && !mrow[t]) { scores[t] = -INFINITY; continue; }
+                scores[t] = dot(q, keys + t * D, D) * scale;
+                if (scores[t] > mx) mx = scores[t];
+            }
+            __m256 sum8 = _mm256_setzero_ps();
+            const __m256 mx8 = _mm256_set1_ps(mx);
+            int64_t t = 0;
+            for (; t + 8 <= T; t += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx8));
+                _mm256_storeu_ps(scores + t, p);
+                sum8 = _mm256_add_ps(sum8, p);
+            }
+            float sum = hsum8(sum8);
+            for (; t < T; t++) {
+                scores[t] = exp1(scores[t] - mx);
+                sum += scores[t];
+            }
+            float *out = attn + i * nq + head * D;
+            __m256 acc[64];
+            const int64_t nv = D / 8;
+            for (int64_t c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < T; t++) {
+                if (scores[t] == 0.0f) continue;
+                const __m256 p = _mm256_set1_ps(scores[t]);
+                for (int64_t c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vals + t * D + 8 * c), acc[c]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / sum);
+            for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+            for (int64_t c = nv * 8; c < D; c++) {
+                float s = 0.0f;
+                for (int64_t t = 0; t < T; t++) s += scores[t] * vals[t * D + c];
+                out[c] = s / sum;
+            }
+        }
+        /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
+        gemm_shared(&L->o, attn, n, x, H, 1);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
+        gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const float *g = gu + i * 2 * I, *u = g + I;
+            float *a = act + i * I;
+            int64_t c = 0;
+            for (; c + 8 <= I; c += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + c);
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                      _mm256_loadu_ps(u + c)));
+            }
+            for (; c < I; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
+        }
+        gemm_shared(&L->down, act, n, x, H, 1);
+    }
+    free(buf);
+    return 0;
+}

@@ -1,0 +1,153 @@
+"""ddspec's C kernels (native/ddspec_kernels.c): GGUF blocks rebuild exactly the fp32 weights,
+matmul rows do not depend on the other rows of a call, the fused decoder layer is the torch
+layer's maths, and every method stays lossless with them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddspec import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+
+def quantised(kind: str, rows: int, cols: int, seed: int = 0):
+    """A random weight quantised by gguf-py: (NativeWeight, its exact fp32 dequantisation [rows, cols])."""
+    import gguf
+
+    from ddspec.models.gguf_blocks import _split, dequantize
+
+    qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+    w = np.random.default_rng(seed).normal(0, 0.2, (rows, cols)).astype(np.float32)
+    raw = gguf.quantize(w, qtype)  # [rows, bytes]
+    reference = gguf.dequantize(raw, qtype).reshape(rows, cols)
+    qs, d, m = _split(kind, raw, rows)
+    assert np.array_equal(dequantize(kind, qs, d, m), reference)  # our formula is gguf-py's
+    weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(np.ascontiguousarray(qs)),
+                                 d=torch.from_numpy(d.astype(np.float32)),
+                                 m=None if m is None else torch.from_numpy(m.astype(np.float32)))
+    return weight, torch.from_numpy(reference)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_blocks_rebuild_the_dequantised_weights_exactly(kind):
+    weight, dense = quantised(kind, 40, 96)
+    assert torch.equal(weight(torch.eye(96)), dense.t())  # one-hot rows read each weight back, bit for bit
+    x = torch.randn(7, 96)
+    assert (weight(x) - x @ dense.t()).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32"])
+def test_a_row_does_not_depend_on_the_other_rows(kind):
+    weight = native.NativeWeight.dense(torch.randn(50, 64)) if kind == "f32" else quantised(kind, 50, 64, seed=1)[0]
+    x = torch.randn(13, 64)
+    together = weight(x)
+    for r in range(13):
+        assert torch.equal(together[r], weight(x[r:r + 1])[0])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(weight(x), together)  # nor on the thread count
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_gguf_blocks_are_matched_to_their_weights_and_a_mismatch_is_refused(tmp_path, capsys):
+    """A small GGUF written with gguf-py: the reader finds the blocks, recovers a row permutation
+    (HF's loader permutes q and k) and refuses a weight that is not their exact dequantisation."""
+    import gguf
+
+    from ddspec.models.gguf_blocks import native_weights, quantised_tensors
+
+    rng = np.random.default_rng(2)
+    w_q = rng.normal(0, 0.2, (64, 64)).astype(np.float32)
+    w_up = rng.normal(0, 0.2, (96, 64)).astype(np.float32)
+    embed = rng.normal(0, 0.2, (50, 64)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_string("tokenizer.ggml.tokens.dummy", "x" * 100)
+    raws = {}
+    for name, w, qtype in [("blk.0.attn_q.weight", w_q, gguf.GGMLQuantizationType.Q4_1),
+                           ("blk.0.ffn_up.weight", w_up, gguf.GGMLQuantizationType.Q4_1),
+                           ("token_embd.weight", embed, gguf.GGMLQuantizationType.Q8_0)]:
+        raws[name] = gguf.quantize(w, qtype)
+        writer.add_tensor(name, raws[name], raw_shape=raws[name].shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    found = quantised_tensors(tmp_path / "m.gguf")
+    assert {k: v[0] for k, v in found.items()} == {"blk.0.attn_q.weight": "q4_1", "blk.0.ffn_up.weight": "q4_1",
+                                                   "token_embd.weight": "q8_0"}
+    assert np.array_equal(found["blk.0.ffn_up.weight"][1], raws["blk.0.ffn_up.weight"])
+
+    deq = {k: torch.from_numpy(gguf.dequantize(r, t).reshape(-1, 64).copy()) for k, r, t in [
+        ("q", raws["blk.0.attn_q.weight"], gguf.GGMLQuantizationType.Q4_1),
+        ("up", raws["blk.0.ffn_up.weight"], gguf.GGMLQuantizationType.Q4_1),
+        ("embed", raws["token_embd.weight"], gguf.GGMLQuantizationType.Q8_0)]}
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    tampered = deq["up"].clone()
+    tampered[5, 7] += 1e-3
+    dense = {"layers.0.self_attn.q_proj.weight": deq["q"][perm], "layers.0.mlp.up_proj.weight": tampered,
+             "embed_tokens.weight": deq["embed"]}
+    blocks = native_weights(tmp_path / "m.gguf", dense)
+    assert set(blocks) == {"layers.0.self_attn.q_proj.weight", "embed_tokens.weight"}
+    assert "do not match their fp32 weights exactly" in capsys.readouterr().err
+    assert torch.equal(blocks["layers.0.self_attn.q_proj.weight"](torch.eye(64)), deq["q"][perm].t())
+    assert torch.equal(blocks["embed_tokens.weight"](torch.eye(64)), deq["embed"].t())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_layer_equals_the_torch_layer(tiny_dirs, family, monkeypatch):
+    """Prefill, one token, and a tree (mask with holes) after a prefix: logits and the cache agree (1e-5)."""
+    from ddspec.models.loading import load_target
+
+    monkeypatch.setenv("DDSPEC_KERNEL", "mm")
+    reference = load_target(str(tiny_dirs[family]), impl="native")
+    monkeypatch.setenv("DDSPEC_KERNEL", "native")
+    fused = load_target(str(tiny_dirs[family]), impl="native")
+    assert fused.layers[0].fused is not None
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 128, (11,), generator=gen)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    steps = [(prefix, torch.arange(11), None), (torch.tensor([9]), torch.tensor([11]), None),
+             (torch.randint(0, 128, (5,), generator=gen), torch.tensor([12, 13, 13, 14, 14]), tree)]
+    for t in (reference, fused):
+        t.reset(40)
+    for tokens, positions, mask in steps:
+        outs = [t.forward(tokens, positions, mask, hidden_layers=(0, 1)) for t in (reference, fused)]
+        assert (outs[0].logits - outs[1].logits).abs().max() <= 1e-5
+        for i in (0, 1):
+            assert (outs[0].hidden_states[i] - outs[1].hidden_states[i]).abs().max() <= 1e-5
+    n = reference.cache.length
+    assert (reference.cache.keys[:, :, :, :n] - fused.cache.keys[:, :, :, :n]).abs().max() <= 1e-5
+    assert (reference.cache.values[:, :, :, :n] - fused.cache.values[:, :, :, :n]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "ddspec"])
+def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, monkeypatch):
+    """Target and draft head both on the C path: greedy output equals plain decoding."""
+    from ddspec.config import StopConfig
+    from ddspec.engine import Engine
+    from ddspec.models.loading import load_target
+    from test_spec_engine import PROMPTS, eagle
+
+    monkeypatch.setenv("DDSPEC_KERNEL", "native")
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    for prompt in PROMPTS[:2]:
+        ref = Engine(target).generate(prompt, stop).token_ids
+        drafter = eagle(target, method)
+        assert drafter.packed.plan.needed == {"native"} and drafter.packed.layers[0].fused is not None
+        assert Engine(target, drafter).generate(prompt, stop).token_ids == ref
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setenv("DDSPEC_NATIVE", "0")
+    assert native.library() is None and "DDSPEC_NATIVE" in native.unavailable_reason()
+    from ddspec.models.kernels import candidates
+
+    assert "native" not in candidates(torch.device("cpu"), torch.float32)
