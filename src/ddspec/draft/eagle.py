@@ -85,7 +85,8 @@ class EagleDrafter:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
         # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
         self.packed = head.drafting_forward()
-        self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids))  # [Vd, H]
+        blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
+        self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks)  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")

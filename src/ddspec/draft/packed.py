@@ -17,15 +17,7 @@ import torch
 
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
-from ddspec.models.llama import LlamaLayer, layer_forward, native_layers_forward
-
-
-def _plan_for(name: str, weights: list[torch.Tensor], build) -> KernelPlan:
-    """The cached kernel plan for these weights ([out, in] each); ``build(options)`` gives the
-    Weight objects to time when it must be measured."""
-    w = weights[0]
-    shapes = [list(t.shape) for t in weights]
-    return choose_plan(name, shapes, w.device, w.dtype, lambda options: measure_plan([build(options)], options))
+from ddspec.models.llama import LlamaLayer, layer_forward, measure_layers_plan, native_layers_forward
 
 
 class PackedHead:
@@ -34,13 +26,15 @@ class PackedHead:
         self.arch, self.rotary = head.arch, head.rotary()
         n_layers = len(head.layers)
 
-        def build(options) -> list[Weight]:
+        def measure(options) -> KernelPlan:  # whole head layers, as a draft level runs them
             plan = KernelPlan.uniform("mm")
             layers = [LlamaLayer(state, f"layers.{i}.", self.arch, plan, set(options)) for i in range(n_layers)]
-            return [Weight(state["fc.weight"], set(options))] + [w for layer in layers for w in layer.weights]
+            return measure_layers_plan(layers, self.arch, self.rotary, options, prefix=128)
 
         names = [k for k in state if k.endswith("_proj.weight")] + ["fc.weight"]
-        self.plan = _plan_for(f"head x{n_layers}", [state[k] for k in names], build)
+        w = state[names[0]]
+        self.plan = choose_plan(f"head layers x{n_layers}", [list(state[k].shape) for k in names], w.device, w.dtype,
+                                measure)
         self.fc = Weight(state["fc.weight"], self.plan.needed)
         self.fc_bias = state.get("fc.bias")
         self.layers = [LlamaLayer(state, f"layers.{i}.", self.arch, self.plan) for i in range(n_layers)]
@@ -73,12 +67,19 @@ class PackedHead:
 
 
 class DraftLMHead:
-    """The target's lm_head restricted to the draft vocabulary, on the kernel-planned path."""
+    """The target's lm_head restricted to the draft vocabulary, on the kernel-planned path.
 
-    def __init__(self, lm_head_oi: torch.Tensor) -> None:  # [Vd, H]
+    blocks: the same rows as GGUF blocks (``NativeLlama.lm_head_blocks``), used by the
+    ``native`` kernel only if they rebuild ``lm_head_oi`` exactly (checked here)."""
+
+    def __init__(self, lm_head_oi: torch.Tensor, blocks=None) -> None:  # [Vd, H]
         w = lm_head_oi.contiguous()
-        self.plan = _plan_for("draft lm_head", [w], lambda options: [Weight(w, set(options))])
-        self.weight = Weight(w, self.plan.needed)
+        if blocks is not None and not torch.equal(blocks(torch.eye(w.shape[1], dtype=w.dtype)), w.t()):
+            blocks = None  # another head's own lm_head: its fp32 values it is
+        variant = "" if blocks is None else blocks.kind
+        self.plan = choose_plan("draft lm_head", [list(w.shape)], w.device, w.dtype,
+                                lambda options: measure_plan([[Weight(w, set(options), blocks)]], options), variant)
+        self.weight = Weight(w, self.plan.needed, blocks)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, Vd]."""

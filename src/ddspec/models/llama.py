@@ -204,9 +204,10 @@ def layer_forward(
     positions: torch.Tensor,  # [N] or [B, N]
     attend,  # see attention()
     mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool or None
+    kernel: str | None = None,  # None = the layer's plan for this many rows
 ) -> torch.Tensor:
     nq, nkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    kernel = layer.plan.kernel(x.numel() // x.shape[-1])
+    kernel = kernel or layer.plan.kernel(x.numel() // x.shape[-1])
     h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, arch.rms_eps)
     qkv = layer.qkv(h, kernel)  # [B, N, nq + 2 nkv]
     if layer.qkv_bias is not None:
@@ -216,6 +217,46 @@ def layer_forward(
     h = rms_norm(x, layer.post_norm, arch.rms_eps)
     gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)  # [B, N, I] each
     return x + layer.down(F.silu(gate) * up, kernel)
+
+
+def measure_layers_plan(layers: list[LlamaLayer], arch: LlamaArch, rotary: Rotary, options: tuple[str, ...],
+                        prefix: int = 64, reps: int = 3) -> KernelPlan:
+    """The fastest kernel per row bucket, timing whole decoder layers as a forward runs them
+    (after ``prefix`` cached tokens, causal mask): the ``native`` kernel runs each layer as one
+    C call, so matmul timings alone would undercount what it saves. Median of ``reps``, interleaved."""
+    import statistics
+    import time
+
+    from ddspec.models.kernels import BUCKETS
+
+    gen = torch.Generator().manual_seed(0)
+    cache = StaticKVCache(len(layers), arch.num_kv_heads, arch.head_dim, prefix + max(BUCKETS),
+                          dtype=rotary.cos.dtype, device=rotary.cos.device)
+    cache.keys.normal_(generator=gen)
+    cache.values.normal_(generator=gen)
+    chosen = []
+    for b in BUCKETS:
+        x = torch.randn(b, arch.hidden_size, generator=gen)
+        positions = prefix + torch.arange(b)
+        mask = torch.ones(b, prefix + b, dtype=torch.bool)
+        mask[:, prefix:] = torch.ones(b, b, dtype=torch.bool).tril_()
+        times: dict[str, list[float]] = {k: [] for k in options}
+        for r in range(reps + 1):
+            for k in options:
+                cache.length = prefix
+                t = time.perf_counter()
+                if k == "native":
+                    native_layers_forward(layers, x.clone(), rotary, positions, cache, mask)
+                else:
+                    y = x.view(1, b, -1)
+                    for i, layer in enumerate(layers):
+                        y = layer_forward(layer, y, arch, rotary, positions, lambda kk, vv, i=i: cache.write(i, kk, vv),
+                                          mask.view(1, 1, b, -1), kernel=k)
+                if r:  # round 0 warms up
+                    times[k].append(time.perf_counter() - t)
+        chosen.append(min(options, key=lambda k: statistics.median(times[k])))
+    cache.length = 0
+    return KernelPlan(tuple(chosen))
 
 
 class NativeLlama:
@@ -276,7 +317,7 @@ class NativeLlama:
             print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
             probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options), self.blocks)
                      for i in probe_layers]
-            return measure_plan([layer.weights for layer in probe], options)
+            return measure_layers_plan(probe, self.arch, Rotary(self.arch, self.device, self.dtype), options)
 
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -323,6 +364,15 @@ class NativeLlama:
     def lm_head_weight_t(self) -> torch.Tensor:
         """The lm_head as [H, V] (a view of the [V, H] weight; what drafters and trainers multiply by)."""
         return self._lm_head_oi.t()
+
+    def lm_head_blocks(self, rows: torch.Tensor | None):
+        """The lm_head's GGUF blocks (a NativeWeight) for these vocabulary rows, or None without blocks."""
+        blocks = self.lm_head_w.native if self.lm_head_w.native is not None else None
+        if blocks is None or blocks.kind == "f32":
+            blocks = self.blocks.get("embed_tokens.weight" if self._lm_head_oi is self.embed_tokens else "lm_head.weight")
+        if blocks is None:
+            return None
+        return blocks if rows is None else blocks.select(rows.cpu())
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.norm, self.arch.rms_eps)

@@ -123,39 +123,77 @@ def available() -> bool:
 
 
 class NativeWeight:
-    """One weight as the kernels read it. Holds the tensors it points into.
+    """One weight as the kernels read it, packed in groups of 16 outputs (see ddspec_kernels.c).
 
-    kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8 [out, in/32, 16], ``d``/``m`` float32
-    [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32].
+    Built from the row layout: kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8
+    [out, in/32, 16] (GGUF nibbles: byte j holds elements j and j + 16 of the block), ``d``/``m``
+    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]. The row
+    layout is kept (``rows``) for stacking weights and taking subsets of outputs.
     """
 
     def __init__(self, kind: str, out: int, inp: int, *, w=None, qs=None, d=None, m=None, bias=None) -> None:
         self.kind, self.out_features, self.in_features = kind, out, inp
-        self.tensors = [t.contiguous() if t is not None else None for t in (w, qs, d, m, bias)]
-        self.struct = _Weight(KINDS[kind], out, inp, *(_ptr(t) for t in self.tensors))
+        self.rows = (w, qs, d, m)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.packed = _pack(kind, out, inp, w, qs, d, m)  # w, qs, d, m in the group layout
+        self.struct = _Weight(KINDS[kind], out, inp, *(_ptr(t) for t in self.packed), _ptr(self.bias))
 
     @classmethod
     def dense(cls, w_oi: torch.Tensor, bias: torch.Tensor | None = None) -> "NativeWeight":
-        return cls("f32", w_oi.shape[0], w_oi.shape[1], w=w_oi.float(), bias=bias)
+        return cls("f32", w_oi.shape[0], w_oi.shape[1], w=w_oi.detach().float(), bias=bias)
 
     def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
-        w, qs, d, m, _ = self.tensors
+        if bias is None:
+            return self
+        w, qs, d, m = self.rows
         return NativeWeight(self.kind, self.out_features, self.in_features, w=w, qs=qs, d=d, m=m, bias=bias)
+
+    def select(self, rows: torch.Tensor) -> "NativeWeight":
+        """The weight of a subset of outputs (e.g. a draft vocabulary's rows of an lm_head)."""
+        pick = [None if t is None else t[rows] for t in self.rows]
+        return NativeWeight(self.kind, rows.numel(), self.in_features, w=pick[0], qs=pick[1], d=pick[2], m=pick[3])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.packed if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] (fp32) @ W^T -> [..., out]."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         rc = library().dd_gemm(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(),
                                torch.get_num_threads())
         if rc:
             raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
         return y.view(*lead, self.out_features)
+
+
+GROUP = 16
+
+
+def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
+    """Row layout -> the kernels' group layout (outputs padded to a multiple of 16 with zeros)."""
+    groups = -(-out // GROUP)
+    pad = groups * GROUP - out
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [G, ..., 16]
+        t = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))]) if pad else t
+        t = t.reshape(groups, GROUP, *t.shape[1:])
+        return t.movedim(1, -1).contiguous()
+
+    if kind == "f32":
+        return grouped(w.float()), None, None, None
+    if inp % 32:
+        raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
+    nb = inp // 32
+    if kind == "q4_1":
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
+        q = grouped(q)  # [G, in, 16] values 0..15
+        packed = (q[..., :8] | (q[..., 8:] << 4)).contiguous()  # byte j: output j (low), j + 8 (high)
+        return None, packed, grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))
+    q = qs.reshape(out, inp).view(torch.int8)
+    return None, grouped(q).view(torch.uint8), grouped(d.float().reshape(out, nb)), None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -167,7 +205,7 @@ def concat(weights: list[NativeWeight]) -> NativeWeight:
     kind, inp = weights[0].kind, weights[0].in_features
     if any(w.kind != kind or w.in_features != inp for w in weights):
         raise ValueError("only weights of one kind and input width can be stacked")
-    parts = [torch.cat([w.tensors[i] for w in weights]) if weights[0].tensors[i] is not None else None
+    parts = [torch.cat([w.rows[i] for w in weights]) if weights[0].rows[i] is not None else None
              for i in range(4)]
     return NativeWeight(kind, sum(w.out_features for w in weights), inp, w=parts[0], qs=parts[1], d=parts[2], m=parts[3])
 

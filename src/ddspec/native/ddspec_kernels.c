@@ -26,11 +26,21 @@
 
 enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2 };
 
+/* A weight W [out, in] packed in groups of 16 outputs (G = ceil(out / 16) groups; padding
+ * outputs hold zeros), so that one 8-lane vector holds 8 outputs' weights at one input k:
+ *   DD_F32:  w  [G, in, 16] floats
+ *   DD_Q4_1: qs [G, in, 8] bytes, byte j = q(output j) | q(output j + 8) << 4, and
+ *            d, m [G, in/32, 16]: each output's block scale and minimum (GGUF blocks span 32 k)
+ *   DD_Q8_0: qs [G, in, 16] int8, d [G, in/32, 16]
+ * The kernel broadcasts x[r, k] and accumulates one FMA per k into each output's lane, in
+ * order of k: the sum an output gets depends neither on how many rows nor on how many
+ * outputs share a pass (nor on the threads), so a row's result is the same bit for bit
+ * whether it is computed alone or inside a tree. */
 typedef struct {
     int64_t kind, out, in;
-    const float *w;      /* DD_F32: [out, in] row-major */
-    const uint8_t *qs;   /* DD_Q4_1: [out, in/32, 16] nibbles; DD_Q8_0: [out, in/32, 32] int8 */
-    const float *d, *m;  /* [out, in/32] block scales and (Q4_1) minimums */
+    const float *w;
+    const uint8_t *qs;
+    const float *d, *m;
     const float *bias;   /* [out] or NULL */
 } dd_weight;
 
@@ -42,7 +52,7 @@ typedef struct {
     dd_weight qkv, o, gate_up, down;
 } dd_layer;
 
-#define TILE 6 /* rows per pass over a weight row: 2 accumulators each, 12 of 16 ymm registers */
+#define TILE 6 /* rows per pass: 6 rows x 2 vectors = 12 accumulators of the 16 ymm registers */
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -51,99 +61,121 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The 32 fp32 weights of block b of output row o, in order, as 4 x 8 lanes (one per kind). */
-static inline __attribute__((always_inline)) void block_q4_1(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
-    const int64_t nb = W->in / 32;
-    const __m128i v = _mm_loadu_si128((const __m128i *)(W->qs + (o * nb + b) * 16));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    const __m256 d = _mm256_set1_ps(W->d[o * nb + b]), m = _mm256_set1_ps(W->m[o * nb + b]);
-    w[0] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d), m);
-    w[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d), m);
-    w[2] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d), m);
-    w[3] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d), m);
-}
-
-static inline __attribute__((always_inline)) void block_q8_0(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
-    const int64_t nb = W->in / 32;
-    const uint8_t *q = W->qs + (o * nb + b) * 32;
-    const __m256 d = _mm256_set1_ps(W->d[o * nb + b]);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), d);
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))), d);
-    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16)))), d);
-    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 24)))), d);
-}
-
-static inline __attribute__((always_inline)) void block_f32(const dd_weight *W, int64_t o, int64_t b, __m256 w[4]) {
-    const float *p = W->w + o * W->in + b * 32;
-    w[0] = _mm256_loadu_ps(p);
-    w[1] = _mm256_loadu_ps(p + 8);
-    w[2] = _mm256_loadu_ps(p + 16);
-    w[3] = _mm256_loadu_ps(p + 24);
-}
-
-/* y[r, o] (+)= x[r, :] . W[o, :] (+ bias[o]) for R rows (a compile-time constant): one pass
- * over W's row o, 2 accumulators per row, the same order of sums whatever R is. */
-#define DOT_ROWS(KIND, R)                                                                          \
-    static void dot_##KIND##_##R(const dd_weight *W, int64_t o, const float *x, int64_t ldx,       \
-                                 float *y, int64_t ldy, int accumulate) {                          \
-        __m256 a0[R], a1[R];                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps(); \
-        const int64_t nb = W->in / 32;                                                             \
-        for (int64_t b = 0; b < nb; b++) {                                                         \
-            __m256 w[4];                                                                           \
-            block_##KIND(W, o, b, w);                                                              \
-            const float *xb = x + b * 32;                                                          \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                const float *xr = xb + r * ldx;                                                    \
-                a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], a0[r]);                         \
-                a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], a1[r]);                     \
-                a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], a0[r]);                    \
-                a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], a1[r]);                    \
-            }                                                                                      \
-        }                                                                                          \
-        const float bias = W->bias ? W->bias[o] : 0.0f;                                            \
-        for (int r = 0; r < R; r++) {                                                              \
-            float s = hsum8(_mm256_add_ps(a0[r], a1[r]));                                          \
-            for (int64_t k = nb * 32; k < W->in; k++) s += x[r * ldx + k] * W->w[o * W->in + k];  \
-            s += bias;                                                                             \
-            if (accumulate) y[r * ldy + o] += s; else y[r * ldy + o] = s;                          \
-        }                                                                                          \
-    }
-
-#define DOT_ALL(KIND) DOT_ROWS(KIND, 1) DOT_ROWS(KIND, 2) DOT_ROWS(KIND, 3) DOT_ROWS(KIND, 4) \
-    DOT_ROWS(KIND, 5) DOT_ROWS(KIND, 6)                                                       \
-    static void rows_##KIND(const dd_weight *W, int64_t o, const float *x, int64_t n, float *y, \
-                            int64_t ldy, int acc) {                                          \
-        const int64_t ldx = W->in;                                                           \
-        int64_t r = 0;                                                                       \
-        for (; r + TILE <= n; r += TILE) dot_##KIND##_6(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); \
-        switch (n - r) {                                                                     \
-        case 1: dot_##KIND##_1(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
-        case 2: dot_##KIND##_2(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
-        case 3: dot_##KIND##_3(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
-        case 4: dot_##KIND##_4(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
-        case 5: dot_##KIND##_5(W, o, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
-        default: break;                                                                      \
-        }                                                                                    \
-    }
-
-DOT_ALL(q4_1)
-DOT_ALL(q8_0)
-DOT_ALL(f32)
-
-/* y [n, out] (+)= x [n, in] @ W^T; the outputs are shared among the threads of the enclosing
- * parallel region (an orphaned `omp for`: also correct when called outside one). */
-static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+/* Group g's 16 weights at input k, as two vectors (outputs 0-7, 8-15): gguf-py's values,
+ * Q4_1 fl(fl(d*q) + m), Q8_0 fl(q*d), no fused multiply-add (built with -ffp-contract=off). */
+static inline __attribute__((always_inline)) void weights_at(const dd_weight *W, int64_t g, int64_t k, __m256 *w0, __m256 *w1) {
+    const int64_t in = W->in;
     if (W->kind == DD_Q4_1) {
-#pragma omp for schedule(static)
-        for (int64_t o = 0; o < W->out; o++) rows_q4_1(W, o, x, n, y, ldy, acc);
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(W->qs + (g * in + k) * 8));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const float *d = W->d + (g * (in / 32) + k / 32) * 16, *m = W->m + (g * (in / 32) + k / 32) * 16;
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
+        *w0 = _mm256_add_ps(_mm256_mul_ps(q0, _mm256_loadu_ps(d)), _mm256_loadu_ps(m));
+        *w1 = _mm256_add_ps(_mm256_mul_ps(q1, _mm256_loadu_ps(d + 8)), _mm256_loadu_ps(m + 8));
     } else if (W->kind == DD_Q8_0) {
-#pragma omp for schedule(static)
-        for (int64_t o = 0; o < W->out; o++) rows_q8_0(W, o, x, n, y, ldy, acc);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(W->qs + (g * in + k) * 16));
+        const float *d = W->d + (g * (in / 32) + k / 32) * 16;
+        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(d));
+        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), _mm256_loadu_ps(d + 8));
     } else {
+        const float *p = W->w + (g * in + k) * 16;
+        *w0 = _mm256_loadu_ps(p);
+        *w1 = _mm256_loadu_ps(p + 8);
+    }
+}
+
+static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 a1, float *y, int accumulate) {
+    float v[16];
+    _mm256_storeu_ps(v, a0);
+    _mm256_storeu_ps(v + 8, a1);
+    const int64_t o0 = g * 16, n = W->out - o0 < 16 ? W->out - o0 : 16;
+    for (int64_t j = 0; j < n; j++) {
+        const float s = v[j] + (W->bias ? W->bias[o0 + j] : 0.0f);
+        if (accumulate) y[o0 + j] += s; else y[o0 + j] = s;
+    }
+}
+
+/* Rows [0, R) of x against group g (2R accumulators). */
+#define PASS(KIND_ID, KIND, R)                                                                      \
+    static void pass_##KIND##_##R(const dd_weight *W, int64_t g, const float *x, int64_t ldx,       \
+                                  float *y, int64_t ldy, int accumulate) {                          \
+        __m256 a0[R], a1[R];                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();    \
+        const dd_weight Wk = {KIND_ID, W->out, W->in, W->w, W->qs, W->d, W->m, W->bias};            \
+        for (int64_t k = 0; k < W->in; k++) {                                                       \
+            __m256 w0, w1;                                                                          \
+            weights_at(&Wk, g, k, &w0, &w1);                                                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                             \
+                a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);                                             \
+                a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);                                             \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)  /* unrolled: the sums stay in registers */ \
+            store_group(W, g, a0[r], a1[r], y + r * ldy, accumulate);                               \
+    }
+
+/* One row against groups g and g + 1: four independent chains instead of two. */
+#define PASS1X2(KIND_ID, KIND)                                                                      \
+    static void pass_##KIND##_1x2(const dd_weight *W, int64_t g, const float *x, float *y, int accumulate) { \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                                 \
+        const dd_weight Wk = {KIND_ID, W->out, W->in, W->w, W->qs, W->d, W->m, W->bias};            \
+        for (int64_t k = 0; k < W->in; k++) {                                                       \
+            __m256 w0, w1, v0, v1;                                                                  \
+            weights_at(&Wk, g, k, &w0, &w1);                                                        \
+            weights_at(&Wk, g + 1, k, &v0, &v1);                                                    \
+            const __m256 xv = _mm256_broadcast_ss(x + k);                                           \
+            a0 = _mm256_fmadd_ps(xv, w0, a0);                                                       \
+            a1 = _mm256_fmadd_ps(xv, w1, a1);                                                       \
+            b0 = _mm256_fmadd_ps(xv, v0, b0);                                                       \
+            b1 = _mm256_fmadd_ps(xv, v1, b1);                                                       \
+        }                                                                                           \
+        store_group(W, g, a0, a1, y, accumulate);                                                   \
+        store_group(W, g + 1, b0, b1, y, accumulate);                                               \
+    }
+
+#define PASSES(KIND_ID, KIND)                                                                       \
+    PASS(KIND_ID, KIND, 1) PASS(KIND_ID, KIND, 2) PASS(KIND_ID, KIND, 3) PASS(KIND_ID, KIND, 4)     \
+    PASS(KIND_ID, KIND, 5) PASS(KIND_ID, KIND, 6) PASS1X2(KIND_ID, KIND)                            \
+    /* all n rows against groups [g, g + ng), ng = 1 or 2 */                                        \
+    static void groups_##KIND(const dd_weight *W, int64_t g, int ng, const float *x, int64_t n,    \
+                              float *y, int64_t ldy, int acc) {                                     \
+        const int64_t ldx = W->in;                                                                  \
+        for (int j = 0; j < ng; j++) {                                                              \
+            const int64_t gg = g + j;                                                               \
+            int64_t r = 0;                                                                          \
+            if (ng == 2 && n == 1) { /* one row: two groups per pass, twice the chains */           \
+                pass_##KIND##_1x2(W, g, x, y, acc);                                                 \
+                break;                                                                              \
+            }                                                                                       \
+            for (; r + TILE <= n; r += TILE) pass_##KIND##_6(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); \
+            switch (n - r) {                                                                        \
+            case 1: pass_##KIND##_1(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+            case 2: pass_##KIND##_2(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+            case 3: pass_##KIND##_3(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+            case 4: pass_##KIND##_4(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+            case 5: pass_##KIND##_5(W, gg, x + r * ldx, ldx, y + r * ldy, ldy, acc); break;       \
+            default: break;                                                                         \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+PASSES(DD_Q4_1, q4_1)
+PASSES(DD_Q8_0, q8_0)
+PASSES(DD_F32, f32)
+
+/* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
+ * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
+static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;
 #pragma omp for schedule(static)
-        for (int64_t o = 0; o < W->out; o++) rows_f32(W, o, x, n, y, ldy, acc);
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t g = 2 * p;
+        const int ng = g + 1 < groups ? 2 : 1;
+        if (W->kind == DD_Q4_1) groups_q4_1(W, g, ng, x, n, y, ldy, acc);
+        else if (W->kind == DD_Q8_0) groups_q8_0(W, g, ng, x, n, y, ldy, acc);
+        else groups_f32(W, g, ng, x, n, y, ldy, acc);
     }
 }
 
