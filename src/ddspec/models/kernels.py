@@ -129,6 +129,32 @@ def forced_kernel() -> str | None:
     return value
 
 
+PRUNE = 4.0  # a kernel this many times slower than the best at some row count is not timed at larger ones
+
+
+def pick_fastest(timers: dict[str, object], reps: int, progress=None) -> KernelPlan:
+    """The fastest kernel per bucket: ``timers[kernel](rows)`` runs one timed unit of work and
+    returns its seconds; interleaved rounds, median of ``reps`` after one warm-up round. A kernel
+    more than PRUNE times slower than the best at some bucket is dropped for the larger ones
+    (small-row kernels only fall further behind as rows grow), which keeps the first run short."""
+    alive = list(timers)
+    chosen = []
+    for b in BUCKETS:
+        times: dict[str, list[float]] = {k: [] for k in alive}
+        for r in range(reps + 1):
+            for k in alive:
+                seconds = timers[k](b)
+                if r:  # round 0 warms up
+                    times[k].append(seconds)
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        best = min(alive, key=medians.get)
+        chosen.append(best)
+        alive = [k for k in alive if medians[k] <= PRUNE * medians[best]]
+        if progress is not None:
+            progress(1)
+    return KernelPlan(tuple(chosen))
+
+
 def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: int = 3,
                  progress=None) -> KernelPlan:
     """Time every candidate kernel over all the weights of ``groups`` (as one forward streams
@@ -136,20 +162,16 @@ def measure_plan(groups: list[list[Weight]], candidates: tuple[str, ...], reps: 
     weights = [w for group in groups for w in group]
     inputs = {b: {w.in_features: torch.randn(b, w.in_features, dtype=_dtype(w), device=_device(w))
                   for w in weights} for b in BUCKETS}
-    chosen = []
-    for b in BUCKETS:
-        times: dict[str, list[float]] = {k: [] for k in candidates}
-        for r in range(reps + 1):
-            for k in candidates:
-                t = time.perf_counter()
-                for w in weights:
-                    w(inputs[b][w.in_features], k)
-                if r:  # round 0 warms up
-                    times[k].append(time.perf_counter() - t)
-        chosen.append(min(candidates, key=lambda k: statistics.median(times[k])))
-        if progress is not None:
-            progress(1)
-    return KernelPlan(tuple(chosen))
+
+    def timer(kernel):
+        def run(b: int) -> float:
+            t = time.perf_counter()
+            for w in weights:
+                w(inputs[b][w.in_features], kernel)
+            return time.perf_counter() - t
+        return run
+
+    return pick_fastest({k: timer(k) for k in candidates}, reps, progress)
 
 
 def _any_layout(w: Weight) -> torch.Tensor | None:

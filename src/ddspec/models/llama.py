@@ -224,39 +224,39 @@ def measure_layers_plan(layers: list[LlamaLayer], arch: LlamaArch, rotary: Rotar
     """The fastest kernel per row bucket, timing whole decoder layers as a forward runs them
     (after ``prefix`` cached tokens, causal mask): the ``native`` kernel runs each layer as one
     C call, so matmul timings alone would undercount what it saves. Median of ``reps``, interleaved."""
-    import statistics
     import time
 
-    from ddspec.models.kernels import BUCKETS
+    from ddspec.models.kernels import BUCKETS, pick_fastest
 
     gen = torch.Generator().manual_seed(0)
     cache = StaticKVCache(len(layers), arch.num_kv_heads, arch.head_dim, prefix + max(BUCKETS),
                           dtype=rotary.cos.dtype, device=rotary.cos.device)
     cache.keys.normal_(generator=gen)
     cache.values.normal_(generator=gen)
-    chosen = []
+    inputs = {}
     for b in BUCKETS:
-        x = torch.randn(b, arch.hidden_size, generator=gen)
-        positions = prefix + torch.arange(b)
         mask = torch.ones(b, prefix + b, dtype=torch.bool)
         mask[:, prefix:] = torch.ones(b, b, dtype=torch.bool).tril_()
-        times: dict[str, list[float]] = {k: [] for k in options}
-        for r in range(reps + 1):
-            for k in options:
-                cache.length = prefix
-                t = time.perf_counter()
-                if k == "native":
-                    native_layers_forward(layers, x.clone(), rotary, positions, cache, mask)
-                else:
-                    y = x.view(1, b, -1)
-                    for i, layer in enumerate(layers):
-                        y = layer_forward(layer, y, arch, rotary, positions, lambda kk, vv, i=i: cache.write(i, kk, vv),
-                                          mask.view(1, 1, b, -1), kernel=k)
-                if r:  # round 0 warms up
-                    times[k].append(time.perf_counter() - t)
-        chosen.append(min(options, key=lambda k: statistics.median(times[k])))
+        inputs[b] = (torch.randn(b, arch.hidden_size, generator=gen), prefix + torch.arange(b), mask)
+
+    def timer(kernel: str):
+        def run(b: int) -> float:
+            x, positions, mask = inputs[b]
+            cache.length = prefix
+            t = time.perf_counter()
+            if kernel == "native":
+                native_layers_forward(layers, x.clone(), rotary, positions, cache, mask)
+            else:
+                y = x.view(1, b, -1)
+                for i, layer in enumerate(layers):
+                    y = layer_forward(layer, y, arch, rotary, positions, lambda kk, vv, i=i: cache.write(i, kk, vv),
+                                      mask.view(1, 1, b, -1), kernel=kernel)
+            return time.perf_counter() - t
+        return run
+
+    plan = pick_fastest({k: timer(k) for k in options}, reps)
     cache.length = 0
-    return KernelPlan(tuple(chosen))
+    return plan
 
 
 class NativeLlama:

@@ -53,6 +53,9 @@ typedef struct {
 } dd_layer;
 
 #define TILE 6 /* rows per pass: 6 rows x 2 vectors = 12 accumulators of the 16 ymm registers */
+#ifndef BUFFER_FROM
+#define BUFFER_FROM 6 /* more rows than this: rebuild each block of quantised weights once into L1 */
+#endif
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -135,9 +138,64 @@ static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 
         store_group(W, g + 1, b0, b1, y, accumulate);                                               \
     }
 
+/* Rows [0, R) against one block of 32 inputs of a group, its weights already rebuilt in
+ * buf [32][16]; the sums live in acc [R][16] between blocks (stored and reloaded exactly, so
+ * each lane still sums in order of k). Many rows then share one rebuild of the weights. */
+#define BUF_TILE(R)                                                                                 \
+    static inline void buf_tile_##R(const float *buf, const float *x, int64_t ldx, float *acc) {   \
+        __m256 a0[R], a1[R];                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+            a0[r] = _mm256_loadu_ps(acc + r * 16);                                                  \
+            a1[r] = _mm256_loadu_ps(acc + r * 16 + 8);                                              \
+        }                                                                                           \
+        for (int k = 0; k < 32; k++) {                                                              \
+            const __m256 w0 = _mm256_load_ps(buf + k * 16), w1 = _mm256_load_ps(buf + k * 16 + 8); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                             \
+                a0[r] = _mm256_fmadd_ps(xv, w0, a0[r]);                                             \
+                a1[r] = _mm256_fmadd_ps(xv, w1, a1[r]);                                             \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+            _mm256_storeu_ps(acc + r * 16, a0[r]);                                                  \
+            _mm256_storeu_ps(acc + r * 16 + 8, a1[r]);                                              \
+        }                                                                                           \
+    }
+BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
+
+/* All n rows (n > TILE) against group g, rebuilding each block of weights once. */
+#define BUFFERED(KIND_ID, KIND)                                                                     \
+    static void buffered_##KIND(const dd_weight *W, int64_t g, const float *x, int64_t n,          \
+                                float *y, int64_t ldy, int accumulate, float *acc) {                \
+        float buf[32 * 16] __attribute__((aligned(32)));                                           \
+        const dd_weight Wk = {KIND_ID, W->out, W->in, W->w, W->qs, W->d, W->m, W->bias};            \
+        const int64_t ldx = W->in;                                                                  \
+        memset(acc, 0, sizeof(float) * 16 * (size_t)n);                                            \
+        for (int64_t k0 = 0; k0 < W->in; k0 += 32) {                                                \
+            for (int k = 0; k < 32; k++) {                                                          \
+                __m256 w0, w1;                                                                      \
+                weights_at(&Wk, g, k0 + k, &w0, &w1);                                               \
+                _mm256_store_ps(buf + k * 16, w0);                                                  \
+                _mm256_store_ps(buf + k * 16 + 8, w1);                                              \
+            }                                                                                       \
+            int64_t r = 0;                                                                          \
+            for (; r + TILE <= n; r += TILE) buf_tile_6(buf, x + r * ldx + k0, ldx, acc + r * 16);  \
+            switch (n - r) {                                                                        \
+            case 1: buf_tile_1(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
+            case 2: buf_tile_2(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
+            case 3: buf_tile_3(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
+            case 4: buf_tile_4(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
+            case 5: buf_tile_5(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
+            default: break;                                                                         \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t r = 0; r < n; r++)                                                             \
+            store_group(W, g, _mm256_loadu_ps(acc + r * 16), _mm256_loadu_ps(acc + r * 16 + 8), y + r * ldy, accumulate); \
+    }
+
 #define PASSES(KIND_ID, KIND)                                                                       \
     PASS(KIND_ID, KIND, 1) PASS(KIND_ID, KIND, 2) PASS(KIND_ID, KIND, 3) PASS(KIND_ID, KIND, 4)     \
-    PASS(KIND_ID, KIND, 5) PASS(KIND_ID, KIND, 6) PASS1X2(KIND_ID, KIND)                            \
+    PASS(KIND_ID, KIND, 5) PASS(KIND_ID, KIND, 6) PASS1X2(KIND_ID, KIND) BUFFERED(KIND_ID, KIND)    \
     /* all n rows against groups [g, g + ng), ng = 1 or 2 */                                        \
     static void groups_##KIND(const dd_weight *W, int64_t g, int ng, const float *x, int64_t n,    \
                               float *y, int64_t ldy, int acc) {                                     \
@@ -164,11 +222,23 @@ static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 
 PASSES(DD_Q4_1, q4_1)
 PASSES(DD_Q8_0, q8_0)
 PASSES(DD_F32, f32)
+static void (*const unused_buffered_f32)(const dd_weight *, int64_t, const float *, int64_t, float *, int64_t, int, float *)
+    __attribute__((unused)) = buffered_f32; /* fp32 weights need no rebuilding: never called */
 
 /* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
  * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;
+    if (n > BUFFER_FROM && W->kind != DD_F32 && W->in % 32 == 0) { /* many rows: rebuild each weight block once */
+        float *sums = malloc(sizeof(float) * 16 * (size_t)n);
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (W->kind == DD_Q4_1) buffered_q4_1(W, g, x, n, y, ldy, acc, sums);
+            else buffered_q8_0(W, g, x, n, y, ldy, acc, sums);
+        }
+        free(sums);
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t g = 2 * p;
