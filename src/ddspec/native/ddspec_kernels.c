@@ -178,15 +178,20 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
                 _mm256_store_ps(buf + k * 16, w0);                                                  \
                 _mm256_store_ps(buf + k * 16 + 8, w1);                                              \
             }                                                                                       \
-            int64_t r = 0;                                                                          \
-            for (; r + TILE <= n; r += TILE) buf_tile_6(buf, x + r * ldx + k0, ldx, acc + r * 16);  \
-            switch (n - r) {                                                                        \
-            case 1: buf_tile_1(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
-            case 2: buf_tile_2(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
-            case 3: buf_tile_3(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
-            case 4: buf_tile_4(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
-            case 5: buf_tile_5(buf, x + r * ldx + k0, ldx, acc + r * 16); break;                    \
-            default: break;                                                                         \
+            const int64_t tiles = (n + TILE - 1) / TILE; /* balanced: 7 rows = 4 + 3, not 6 + 1 */      \
+            for (int64_t t = 0, r = 0; t < tiles; t++) {                                            \
+                const int64_t rows = n / tiles + (t < n % tiles);                                   \
+                const float *xr = x + r * ldx + k0;                                                 \
+                float *ar = acc + r * 16;                                                           \
+                switch (rows) {                                                                     \
+                case 1: buf_tile_1(buf, xr, ldx, ar); break;                                        \
+                case 2: buf_tile_2(buf, xr, ldx, ar); break;                                        \
+                case 3: buf_tile_3(buf, xr, ldx, ar); break;                                        \
+                case 4: buf_tile_4(buf, xr, ldx, ar); break;                                        \
+                case 5: buf_tile_5(buf, xr, ldx, ar); break;                                        \
+                default: buf_tile_6(buf, xr, ldx, ar); break;                                       \
+                }                                                                                   \
+                r += rows;                                                                          \
             }                                                                                       \
         }                                                                                           \
         for (int64_t r = 0; r < n; r++)                                                             \
