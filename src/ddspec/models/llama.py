@@ -292,6 +292,8 @@ class NativeLlama:
                        for i in range(self.arch.num_layers)]
         head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
         self.lm_head_w = Weight(head, self.head_plan.needed, self.blocks.get(head_name))
+        # the layers hold their (stacked) blocks now; keep only the lm_head's, for draft lm_heads
+        self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
 

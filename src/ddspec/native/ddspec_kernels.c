@@ -54,7 +54,7 @@ typedef struct {
 
 #define TILE 6 /* rows per pass: 6 rows x 2 vectors = 12 accumulators of the 16 ymm registers */
 #ifndef BUFFER_FROM
-#define BUFFER_FROM 6 /* more rows than this: rebuild each block of quantised weights once into L1 */
+#define BUFFER_FROM 6 /* more rows than this: each block of weights is read (and rebuilt) once, into L1 */
 #endif
 
 static inline float hsum8(__m256 v) {
@@ -227,19 +227,18 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
 PASSES(DD_Q4_1, q4_1)
 PASSES(DD_Q8_0, q8_0)
 PASSES(DD_F32, f32)
-static void (*const unused_buffered_f32)(const dd_weight *, int64_t, const float *, int64_t, float *, int64_t, int, float *)
-    __attribute__((unused)) = buffered_f32; /* fp32 weights need no rebuilding: never called */
 
 /* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
  * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;
-    if (n > BUFFER_FROM && W->kind != DD_F32 && W->in % 32 == 0) { /* many rows: rebuild each weight block once */
+    if (n > BUFFER_FROM && W->in % 32 == 0) { /* many rows: read (and rebuild) each weight block once */
         float *sums = malloc(sizeof(float) * 16 * (size_t)n);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             if (W->kind == DD_Q4_1) buffered_q4_1(W, g, x, n, y, ldy, acc, sums);
-            else buffered_q8_0(W, g, x, n, y, ldy, acc, sums);
+            else if (W->kind == DD_Q8_0) buffered_q8_0(W, g, x, n, y, ldy, acc, sums);
+            else buffered_f32(W, g, x, n, y, ldy, acc, sums);
         }
         free(sums);
         return;

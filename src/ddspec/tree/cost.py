@@ -108,8 +108,11 @@ class LearnedCosts:
       observed take ``r`` interpolated from the observed ones (flat beyond them), so one
       observation at N = 1 already rescales the whole curve;
     - *draft*: the root's cost and the per-level cost, each a decayed mean of what was observed
-      (a level's cost = (draft time - root cost) / (levels - 1)); until a level is observed it
-      scales with the root's correction;
+      (a level's cost = (draft time - root cost) / (levels - 1)); a value more than 3x the
+      current estimate counts only when three such come in a row, so one slow step (a first
+      call at a new shape, a context switch) cannot make the policy believe drafting is dear
+      and stop drafting (it then rarely observes a level to correct itself); until a level is
+      observed it scales with the root's correction;
     - *plain step* (verify a root alone, no draft, no head refresh) and *gap* (per-step work
       outside both phases: emitting, detokenising): decayed means, from the calibration's
       one-token forward and 0.
@@ -118,6 +121,8 @@ class LearnedCosts:
     other_ms = the gap). ``drift`` says how far it has moved from the calibration.
     """
 
+    jump, jumps_needed = 3.0, 3  # a draft cost this many times the estimate counts after this many in a row
+
     def __init__(self, base: CostModel, decay: float = 0.9) -> None:
         self.base, self.decay = base, decay
         self.sizes = sorted(base.verify_ms)
@@ -125,6 +130,7 @@ class LearnedCosts:
         self.seen = [0.0] * len(self.sizes)  # decayed observation counts per size
         self.root_ms, self.level_ms = base.draft_root_ms, base.draft_level_ms
         self.root_seen = self.level_seen = 0.0
+        self._jumps = {"root": 0, "level": 0}  # consecutive observations > 3x the estimate
         self.plain_ms, self.gap_ms = base.verify_ms[self.sizes[0]], 0.0
         self.plain_seen = self.gap_seen = 0.0
         self.steps = 0
@@ -170,6 +176,15 @@ class LearnedCosts:
                          draft_root_ms=cur.draft_root_ms, draft_level_ms=cur.draft_level_ms, other_ms=other)
 
     # -- observations ---------------------------------------------------------------------
+    def _draft_mean(self, name: str, old: float, seen: float, value: float) -> tuple[float, float]:
+        if value > self.jump * old:
+            self._jumps[name] += 1
+            if self._jumps[name] < self.jumps_needed:
+                return old, seen  # an isolated slow step: wait for confirmation
+        else:
+            self._jumps[name] = 0
+        return self._mean(old, seen, value)
+
     def _mean(self, old: float, seen: float, value: float) -> tuple[float, float]:
         """Decayed running mean: the first observation replaces the prior outright."""
         seen = seen * self.decay + 1.0
@@ -193,10 +208,10 @@ class LearnedCosts:
         if draft_ms is None:
             pass
         elif levels <= 1:
-            self.root_ms, self.root_seen = self._mean(self.root_ms, self.root_seen, max(draft_ms, 1e-3))
+            self.root_ms, self.root_seen = self._draft_mean("root", self.root_ms, self.root_seen, max(draft_ms, 1e-3))
         else:
             per_level = max((draft_ms - self.root_ms) / (levels - 1), 0.01)
-            self.level_ms, self.level_seen = self._mean(self.level_ms, self.level_seen, per_level)
+            self.level_ms, self.level_seen = self._draft_mean("level", self.level_ms, self.level_seen, per_level)
         self.current = self._rebuild()
 
 
