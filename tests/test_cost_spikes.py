@@ -33,3 +33,16 @@ def test_a_lasting_change_is_learned_after_three_steps():
     assert costs.current.draft_root_ms == pytest.approx(0.5)
     drafted(costs, 1, 0.2)  # a faster one counts at once
     assert costs.current.draft_root_ms < 0.5
+
+
+def test_a_dearer_root_does_not_make_unseen_levels_dearer():
+    """A real root also pays the policy's bookkeeping (8x the calibration's bare root here): levels
+    not yet observed keep their calibrated cost instead of growing 8x (and never being drafted)."""
+    costs = LearnedCosts(BASE)
+    for _ in range(3):
+        drafted(costs, 1, 4.0)
+    assert costs.current.draft_root_ms == pytest.approx(4.0, rel=0.3)
+    assert costs.current.draft_level_ms == pytest.approx(3.0)
+    cheaper = LearnedCosts(BASE)
+    drafted(cheaper, 1, 0.05)  # a calibration made on a busy machine: levels follow the root down
+    assert cheaper.current.draft_level_ms == pytest.approx(0.3)

@@ -112,7 +112,7 @@ class LearnedCosts:
       current estimate counts only when three such come in a row, so one slow step (a first
       call at a new shape, a context switch) cannot make the policy believe drafting is dear
       and stop drafting (it then rarely observes a level to correct itself); until a level is
-      observed it scales with the root's correction;
+      observed it scales with the root's correction when that is below 1;
     - *plain step* (verify a root alone, no draft, no head refresh) and *gap* (per-step work
       outside both phases: emitting, detokenising): decayed means, from the calibration's
       one-token forward and 0.
@@ -156,7 +156,12 @@ class LearnedCosts:
     def _rebuild(self) -> CostModel:
         base = self.base
         phase = {n: (base.verify_ms[n] + base.other_ms) * math.exp(r) for n, r in zip(self.sizes, self._ratios())}
-        level = self.level_ms if self.level_seen else base.draft_level_ms * self.root_ms / max(base.draft_root_ms, 1e-6)
+        # until a level is seen, levels follow the root's correction, but only downwards: a real
+        # step's root also pays the policy's own bookkeeping, which the calibration's bare root
+        # distribution does not (4 ms vs 0.5 ms here), and a level believed dear is never drafted,
+        # so never observed, so never corrected
+        level = self.level_ms if self.level_seen else base.draft_level_ms * min(
+            1.0, self.root_ms / max(base.draft_root_ms, 1e-6))
         return CostModel(verify_ms=phase, draft_root_ms=self.root_ms, draft_level_ms=level, other_ms=self.gap_ms)
 
     def drift(self) -> float:
