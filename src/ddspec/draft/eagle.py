@@ -96,7 +96,7 @@ class EagleDrafter:
         self.last_policy = None
         # committed positions whose head entries wait for the next drafted step (the cost-aware
         # method's plain steps skip the head): input features [n, H] and next tokens [n]
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[TargetOutput, torch.Tensor]] = []
         self._plain_step = False
         self._caught_up = False  # this step's draft time includes catching the head up
 
@@ -171,7 +171,11 @@ class EagleDrafter:
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
         if self._plain_step:  # nothing drafted: keep the head's input for the next drafted step
-            self._pending.append((self._committed_features(target_out, verdict.path), verdict.bonus.view(1)))
+            # the raw rows only: the head's input features are computed for all pending rows at once
+            path = verdict.path
+            self._pending.append((TargetOutput(None, target_out.features[path],
+                                               {i: h[path] for i, h in target_out.hidden_states.items()}),
+                                  verdict.bonus.view(1)))
             return
         if self.cost_policy is not None and tree.size > 1:
             accepted = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
@@ -196,9 +200,11 @@ class EagleDrafter:
         """Catch the head up over the plain steps' positions, in one forward."""
         self._caught_up = bool(self._pending)
         if self._pending:
-            features, tokens = zip(*self._pending)
+            outs, tokens = zip(*self._pending)
             self._pending.clear()
-            self._commit_entries(torch.cat(features), torch.cat(tokens))
+            rows = TargetOutput(None, torch.cat([o.features for o in outs]),
+                                {i: torch.cat([o.hidden_states[i] for o in outs]) for i in outs[0].hidden_states})
+            self._commit_entries(self._committed_features(rows), torch.cat(tokens))
 
     @property
     def committed(self) -> int:
