@@ -55,7 +55,9 @@ def start(tiny_dir, **kwargs) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def live(tiny_dir):
-    server = start(tiny_dir, max_body_bytes=64 * 1024)
+    # room for the load test's 16 clients plus the cancelled streams the worker has not dropped yet
+    # (the queue bound itself: test_queue_bound_answers_429_with_retry_after, on its own server)
+    server = start(tiny_dir, max_body_bytes=64 * 1024, max_queue=32)
     yield server
     server.stop()
 
@@ -348,7 +350,8 @@ def test_disconnect_mid_stream_frees_the_engine(live, client, reference):
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_engine(live):
     wait_idle(live)
-    conn = http.client.HTTPConnection(live.host, live.port, timeout=0.5)
+    # a short client timeout: 450 tokens of the tiny model take well over 50 ms even on the C kernels
+    conn = http.client.HTTPConnection(live.host, live.port, timeout=0.05)
     body = {"model": model_of(live), "prompt": "abc", "max_tokens": 450, "ddspec": {"method": "vanilla"}}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     with pytest.raises(TimeoutError):
