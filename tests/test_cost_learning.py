@@ -225,3 +225,34 @@ def test_a_head_reading_layers_the_target_lacks_is_refused(tiny_targets):
     head = EagleHead(cfg).eval()
     with pytest.raises(ConfigError, match=f"layer {layers + 3}.*{layers} layers"):
         EagleDrafter(head, target, SMALL)
+
+
+@pytest.mark.parametrize("command, stdin", [("generate", ""), ("chat", "Hello!\nAgain.\n/exit\n")])
+def test_the_cache_update_notice_waits_until_the_answer_is_written(tiny_dirs, tmp_path, monkeypatch, command, stdin):
+    """The entry is rewritten during the answer, but the notice saying so comes after the answer and
+    its summary: on a terminal a line on stderr would land in the middle of the streamed text."""
+    import io
+    import sys
+
+    from ddspec.cli import main
+    from ddspec.tree import cost
+
+    class EagerPolicy(CostAwarePolicy):  # finds the cached entry off after its first step
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs, drift_limit=-1.0, min_steps=1)
+
+    monkeypatch.setattr(cost, "CostAwarePolicy", EagerPolicy)
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    terminal = io.StringIO()  # stdout and stderr in the order they were written, as a terminal shows them
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    args = [command, "--model", str(tiny_dirs["llama"]), "--head", "random:4", "--method", "ddspec",
+            "--max-new-tokens", "8", "--threads", "2"] + (["hello"] if command == "generate" else [])
+    assert main(args) == 0
+    out = terminal.getvalue()
+    notice = "differ from the cached calibration"
+    assert out.count(notice) == 1  # once per run, after the first answer
+    assert out.index("[ddspec] tau") < out.index(notice)  # after the answer and both summary lines
+    entries = [json.loads(p.read_text()) for p in (tmp_path / "costs").glob("*.json")]
+    assert [e["source"] for e in entries] == ["learned"]

@@ -1,7 +1,7 @@
-"""Losslessness on the default model: a random-init head, 20 prompts x 64 new tokens.
+"""Losslessness on the default model: a random-init head, 8 prompts x 64 new tokens.
 
 Every prompt runs plain greedy decoding and one speculative method (the four methods take
-turns, five prompts each, so CI stays short); `ddspec bench` checks all methods on all prompts.
+turns, two prompts each, so CI stays short); `ddspec bench` checks all methods on all prompts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SMALL = TreeConfig(top_k=4, depth=4, total_tokens=8, ddd_check_depths=(2, 4), ma
 DRAFT_VOCAB = 4096  # the head drafts over the first 4096 ids: cheap lm_head, and it exercises d2t
 
 
-def prompts(n: int = 20) -> list[str]:
+def prompts(n: int = 8) -> list[str]:
     if MT_BENCH.is_file():
         rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
         return [r["turns"][0] for r in rows[:n]]

@@ -1,10 +1,11 @@
 """The README's commands, run as a new user runs them: through the installed CLI, in a fresh
 process, on an empty cache (``DDSPEC_CACHE``), with the default model and the shipped head.
 
-The demo gets a cache with nothing in it (it converts the model and calibrates); bench and
-calibrate get a cache holding only the converted model (they calibrate on their own), chat gets
-the demo's cache as a user's second command would, so the suite converts the GGUF once. Short
-forms: few tokens, one or two prompts.
+The demo gets a cache with nothing in it (it converts the model, compiles the CPU kernels, chooses
+the matmul kernels and calibrates); bench, calibrate, tune and train get the demo's cache without
+its measured costs (bench and calibrate measure them on their own), chat gets the demo's whole
+cache as a user's second command would, so the suite converts the GGUF, compiles and chooses the
+kernels once. Short forms: few tokens, one or two prompts.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def demo(tmp_path_factory):
     return cache, ddspec(cache, "generate", PROMPT, "--max-new-tokens", "24")
 
 
+def copy_cache(cache: Path, to: Path, *, costs: bool) -> Path:
+    """A copy of a cache (the model files hard-linked: nothing writes them), with or without its costs."""
+    shutil.copytree(cache, to, copy_function=os.link, ignore=None if costs else shutil.ignore_patterns("costs"))
+    return to
+
+
 @pytest.fixture
-def model_only_cache(demo, tmp_path):
-    """A cache that holds the converted default model and nothing else (no measured costs)."""
-    cache = tmp_path / "cache"
-    shutil.copytree(demo[0] / "models", cache / "models")
-    return cache
+def uncalibrated_cache(demo, tmp_path):
+    """The demo's cache without its measured costs: the converted model, the compiled CPU kernels
+    and the kernel choice (the demo made them on an empty cache), no cost entry."""
+    return copy_cache(demo[0], tmp_path / "cache", costs=False)
 
 
 def test_demo_command_on_an_empty_cache(demo):
@@ -63,38 +69,37 @@ def test_demo_command_on_an_empty_cache(demo):
     assert len(entries) == 1 and json.loads(entries[0].read_text())["key"]["format"] >= 3
 
 
-def test_bench_vanilla_and_ddspec_on_an_empty_cost_cache(model_only_cache, tmp_path):
+def test_bench_vanilla_and_ddspec_on_an_empty_cost_cache(uncalibrated_cache, tmp_path):
     out = tmp_path / "bench"
-    ok(ddspec(model_only_cache, "bench", "--prompts", str(SHARED / "mt_bench.jsonl"), "--limit", "2",
+    ok(ddspec(uncalibrated_cache, "bench", "--prompts", str(SHARED / "mt_bench.jsonl"), "--limit", "2",
               "--max-turns", "1", "--max-new-tokens", "16", "--methods", "vanilla,ddspec", "--out", str(out)))
     summary = (out / "summary.md").read_text()
     assert "ddspec" in summary and "vanilla" in summary
 
 
 def test_chat_with_piped_input(demo, tmp_path):
-    cache = tmp_path / "cache"  # the demo's cache: a user's second command (model converted, costs measured)
-    shutil.copytree(demo[0], cache)
+    cache = copy_cache(demo[0], tmp_path / "cache", costs=True)  # a user's second command: everything measured
     result = ok(ddspec(cache, "chat", "--max-new-tokens", "12",
                        stdin="Hello!\n/reset\nName a colour.\n/exit\n"))
     assert "[history cleared]" in result.stderr
     assert result.stderr.count("[ddspec] ddspec:") == 2  # two answers, each with its summary
 
 
-def test_calibrate_then_show(model_only_cache):
-    shown = ddspec(model_only_cache, "calibrate", "--show")
+def test_calibrate_then_show(uncalibrated_cache):
+    shown = ddspec(uncalibrated_cache, "calibrate", "--show")
     assert shown.returncode == 1 and "run `ddspec calibrate`" in shown.stderr
-    measured = ok(ddspec(model_only_cache, "calibrate"))
+    measured = ok(ddspec(uncalibrated_cache, "calibrate"))
     assert "verify ms by N" in measured.stdout
-    shown = ok(ddspec(model_only_cache, "calibrate", "--show"))
+    shown = ok(ddspec(uncalibrated_cache, "calibrate", "--show"))
     assert "old" in shown.stdout and "spread across rounds" in shown.stdout
 
 
-def test_tune_short(model_only_cache, tmp_path):
-    result = ok(ddspec(model_only_cache, "tune", "--prompts", str(SHARED / "gsm8k.jsonl"), "--limit", "1",
+def test_tune_short(uncalibrated_cache, tmp_path):
+    result = ok(ddspec(uncalibrated_cache, "tune", "--prompts", str(SHARED / "gsm8k.jsonl"), "--limit", "1",
                        "--max-new-tokens", "8", "--depths", "2", "--top-ks", "2", "--sizes", "3",
                        "--out", str(tmp_path / "tune")))
     assert "eagle2@d2k2n3" in result.stdout + result.stderr
 
 
-def test_train_all_tiny(tmp_path):
-    ok(ddspec(tmp_path / "cache", "train", "all", "--tiny", "--out", str(tmp_path / "t")))
+def test_train_all_tiny(uncalibrated_cache, tmp_path):
+    ok(ddspec(uncalibrated_cache, "train", "all", "--tiny", "--out", str(tmp_path / "t")))

@@ -12,7 +12,8 @@ from ddspec.errors import DdspecError
 from ddspec.prompts import chat_prompt_ids
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
+def build_engine(args: argparse.Namespace, notices: list[str]) -> Engine:
+    """The engine the flags ask for; the method's notices go to ``notices`` (see :func:`end_answer`)."""
     sampling = sampling_from_args(args)
     stop_from_args(args)  # validate before the (slow) model load
     tree = tree_from_args(args)
@@ -22,12 +23,13 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
     target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
     method = default_method(target, args.head) if args.method == "auto" else args.method
-    engine = Engine(target, make_drafter(method, target, args.head, tree), sampling)
+    engine = Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling)
     engine.method = method
     return engine
 
 
-def print_summary(stats: RunStats, method: str = "vanilla", out=sys.stderr) -> None:
+def print_summary(stats: RunStats, method: str = "vanilla", out=None) -> None:
+    out = out or sys.stderr  # read when called: a redirected stderr is honoured
     print(
         f"[ddspec] {method}: {stats.new_tokens} new tokens (prompt {stats.prompt_tokens}) in {stats.wall_s:.2f} s "
         f"= {stats.tokens_per_s:.1f} tokens/s (prefill {stats.prefill_s * 1e3:.0f} ms included); "
@@ -68,21 +70,32 @@ def stream_answer(engine: Engine, prompt_ids: list[int], stop: StopConfig) -> tu
         sys.stdout.flush()
 
 
+def end_answer(stats: RunStats | None, method: str, notices: list[str]) -> None:
+    """After an answer: its summary, then the notices held while it streamed (a line on stderr
+    would land in the middle of the answer on a terminal)."""
+    if stats is not None:
+        print_summary(stats, method)
+    for line in notices:
+        print(line, file=sys.stderr)
+    notices.clear()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None:
         prompt = EXAMPLE_PROMPT if sys.stdin.isatty() or sys.stdin.closed else sys.stdin.read().strip() or EXAMPLE_PROMPT
-    engine = build_engine(args)
+    notices: list[str] = []
+    engine = build_engine(args, notices)
     tok = engine.target.tokenizer
     ids = tok.encode(prompt) if args.raw else chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
     _, stats = stream_answer(engine, ids, stop_from_args(args))
-    if stats is not None:
-        print_summary(stats, engine.method)
+    end_answer(stats, engine.method, notices)
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = build_engine(args)
+    notices: list[str] = []
+    engine = build_engine(args, notices)
     stop = stop_from_args(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("ddspec chat: /reset clears the history, /exit or Ctrl-D leaves.", file=sys.stderr)
@@ -109,8 +122,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"ddspec: error: {e}", file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": answer})
-        if stats is not None:
-            print_summary(stats, engine.method)
+        end_answer(stats, engine.method, notices)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

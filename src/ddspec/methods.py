@@ -18,6 +18,7 @@ how ``ddspec bench`` runs it next to the others.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -84,8 +85,13 @@ def resolve_head(spec: str | None, target):
     return load_head(folder, target.info, target.device, target.dtype)
 
 
-def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
-    """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead or Eagle3Head, or a --head spec."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), notify=_to_stderr):
+    """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead or Eagle3Head, or a --head spec.
+    ``notify(line)``: how the ddspec method's notices reach the user (default: stderr at once)."""
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.draft.head import EagleHead
@@ -97,17 +103,16 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig()):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":
         return EagleDrafter(head, target, cfg)
-    return cost_aware_drafter(head, target, cfg)
+    return cost_aware_drafter(head, target, cfg, notify)
 
 
-def cost_aware_drafter(head, target, cfg: TreeConfig):
+def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs.
 
     The costs come from the calibration cache (measured on first use); the policy corrects them
     from the step times it observes and, when they disagree persistently with the cached entry,
-    writes what it learned back to the cache (with a one-line notice)."""
-    import sys
-
+    writes what it learned back to the cache at once and passes a one-line notice to ``notify``
+    (default: stderr at once; the CLI holds it until the answer has been written)."""
     from ddspec.calibrate import Measurement, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
@@ -117,8 +122,7 @@ def cost_aware_drafter(head, target, cfg: TreeConfig):
 
     def persist(learned) -> None:
         if store.write(Measurement(learned, spread=0.0, source="learned")):
-            print(f"ddspec: the measured step costs differ from the cached calibration; updated {store.path}",
-                  file=sys.stderr)
+            notify(f"ddspec: the measured step costs differ from the cached calibration; updated {store.path}")
 
     policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
                              max_tokens=cfg.total_tokens, persist=persist)
