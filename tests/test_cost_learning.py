@@ -4,9 +4,11 @@ bad files and unwritable folders. Deterministic: clocks are injected, never read
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
+import sys
 
 import pytest
 import torch
@@ -231,9 +233,6 @@ def test_a_head_reading_layers_the_target_lacks_is_refused(tiny_targets):
 def test_the_cache_update_notice_waits_until_the_answer_is_written(tiny_dirs, tmp_path, monkeypatch, command, stdin):
     """The entry is rewritten during the answer, but the notice saying so comes after the answer and
     its summary: on a terminal a line on stderr would land in the middle of the streamed text."""
-    import io
-    import sys
-
     from ddspec.cli import main
     from ddspec.tree import cost
 
