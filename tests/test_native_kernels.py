@@ -39,9 +39,29 @@ def test_blocks_rebuild_the_dequantised_weights_exactly(kind):
     assert (weight(x) - x @ dense.t()).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_weights_are_kept_in_half_and_read_back_exactly(dtype):
+    """A dense weight whose values fp16 (or bf16) holds exactly is stored in that format (half the
+    bytes) and multiplies with the same values; any other fp32 weight stays fp32."""
+    w = (torch.randn(48, 72) * 0.1).to(dtype).float()
+    if dtype == torch.bfloat16:
+        w[0, 0] = torch.tensor(1e30).to(dtype).item()  # outside fp16's range: only bf16 holds it
+    weight = native.NativeWeight.dense(w)
+    assert weight.kind == {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    assert weight.nbytes == w.numel() * 2
+    assert torch.equal(weight(torch.eye(72)), w.t())  # one-hot rows read each weight back, bit for bit
+    x = torch.randn(9, 72)
+    assert torch.equal(weight(x), native.NativeWeight("f32", 48, 72, w=w)(x))  # the fp32 kernel's sums exactly
+    assert native.NativeWeight.dense(torch.randn(40, 72)).kind == "f32"
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "f32", "f16"])
 def test_a_row_does_not_depend_on_the_other_rows(kind):
-    weight = native.NativeWeight.dense(torch.randn(50, 64)) if kind == "f32" else quantised(kind, 50, 64, seed=1)[0]
+    if kind in ("f32", "f16"):
+        weight = native.NativeWeight.dense(torch.randn(50, 64).to(torch.float16 if kind == "f16" else torch.float32).float())
+        assert weight.kind == kind
+    else:
+        weight = quantised(kind, 50, 64, seed=1)[0]
     x = torch.randn(13, 64)
     together = weight(x)
     for r in range(13):

@@ -370,7 +370,7 @@ class NativeLlama:
     def lm_head_blocks(self, rows: torch.Tensor | None):
         """The lm_head's GGUF blocks (a NativeWeight) for these vocabulary rows, or None without blocks."""
         blocks = self.lm_head_w.native if self.lm_head_w.native is not None else None
-        if blocks is None or blocks.kind == "f32":
+        if blocks is None or blocks.kind not in ("q4_1", "q8_0"):
             blocks = self.blocks.get("embed_tokens.weight" if self._lm_head_oi is self.embed_tokens else "lm_head.weight")
         if blocks is None:
             return None

@@ -6,7 +6,8 @@ nothing depends on it. The build takes about a second (plain C, no torch headers
 cached per source, compiler and flags in ``<cache root>/native/``; it links the OpenMP runtime
 torch already loaded (libgomp), so both share one thread pool.
 
-:class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]``, or the GGUF
+:class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 /
+bf16 when those hold it exactly), or the GGUF
 blocks of a Q4_1 / Q8_0 weight (models/gguf_blocks.py). :func:`layer_struct` describes a
 whole decoder layer for ``dd_layer_forward``.
 """
@@ -28,7 +29,8 @@ import torch
 SOURCE = Path(__file__).with_name("ddspec_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          "-fPIC", "-shared"]
-KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4}
+HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
@@ -140,7 +142,10 @@ class NativeWeight:
 
     @classmethod
     def dense(cls, w_oi: torch.Tensor, bias: torch.Tensor | None = None) -> "NativeWeight":
-        return cls("f32", w_oi.shape[0], w_oi.shape[1], w=w_oi.detach().float(), bias=bias)
+        """A dense weight, stored as fp16 or bf16 when that holds every value exactly (a head or
+        model shipped in half precision: half the bytes to read, the same maths), else fp32."""
+        w = w_oi.detach().float()
+        return cls(exact_kind(w), w.shape[0], w.shape[1], w=w, bias=bias)
 
     def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
         if bias is None:
@@ -184,6 +189,8 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
 
     if kind == "f32":
         return grouped(w.float()), None, None, None
+    if kind in HALVES:
+        return grouped(w.to(HALVES[kind])), None, None, None
     if inp % 32:
         raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
     nb = inp // 32
@@ -194,6 +201,14 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
         return None, packed, grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))
     q = qs.reshape(out, inp).view(torch.int8)
     return None, grouped(q).view(torch.uint8), grouped(d.float().reshape(out, nb)), None
+
+
+def exact_kind(w: torch.Tensor) -> str:
+    """``f16`` or ``bf16`` when that format holds every value of the fp32 tensor ``w`` exactly, else ``f32``."""
+    for kind, dtype in HALVES.items():
+        if torch.equal(w.to(dtype).float(), w):
+            return kind
+    return "f32"
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

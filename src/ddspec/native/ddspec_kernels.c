@@ -24,11 +24,13 @@
 #include <string.h>
 #include <omp.h>
 
-enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2 };
+enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4 };
 
 /* A weight W [out, in] packed in groups of 16 outputs (G = ceil(out / 16) groups; padding
  * outputs hold zeros), so that one 8-lane vector holds 8 outputs' weights at one input k:
  *   DD_F32:  w  [G, in, 16] floats
+ *   DD_F16, DD_BF16: w [G, in, 16] halves / bfloat16s (used only when they hold the fp32
+ *            weights exactly, e.g. a head shipped in fp16: half the bytes, the same values)
  *   DD_Q4_1: qs [G, in, 8] bytes, byte j = q(output j) | q(output j + 8) << 4, and
  *            d, m [G, in/32, 16]: each output's block scale and minimum (GGUF blocks span 32 k)
  *   DD_Q8_0: qs [G, in, 16] int8, d [G, in/32, 16]
@@ -64,27 +66,69 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Group g's 16 weights at input k, as two vectors (outputs 0-7, 8-15): gguf-py's values,
- * Q4_1 fl(fl(d*q) + m), Q8_0 fl(q*d), no fused multiply-add (built with -ffp-contract=off). */
+/* Group g's 16 weights at input k of a dense weight (fp32, or fp16 / bf16 holding fp32 values
+ * exactly), as two vectors (outputs 0-7, 8-15). */
 static inline __attribute__((always_inline)) void weights_at(const dd_weight *W, int64_t g, int64_t k, __m256 *w0, __m256 *w1) {
     const int64_t in = W->in;
-    if (W->kind == DD_Q4_1) {
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(W->qs + (g * in + k) * 8));
-        const __m128i low = _mm_set1_epi8(0x0F);
-        const float *d = W->d + (g * (in / 32) + k / 32) * 16, *m = W->m + (g * (in / 32) + k / 32) * 16;
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low)));
-        *w0 = _mm256_add_ps(_mm256_mul_ps(q0, _mm256_loadu_ps(d)), _mm256_loadu_ps(m));
-        *w1 = _mm256_add_ps(_mm256_mul_ps(q1, _mm256_loadu_ps(d + 8)), _mm256_loadu_ps(m + 8));
-    } else if (W->kind == DD_Q8_0) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(W->qs + (g * in + k) * 16));
-        const float *d = W->d + (g * (in / 32) + k / 32) * 16;
-        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_loadu_ps(d));
-        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), _mm256_loadu_ps(d + 8));
+    if (W->kind == DD_F16) {
+        const uint16_t *p = (const uint16_t *)W->w + (g * in + k) * 16;
+        *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    } else if (W->kind == DD_BF16) {
+        const uint16_t *p = (const uint16_t *)W->w + (g * in + k) * 16;
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16));
     } else {
         const float *p = W->w + (g * in + k) * 16;
         *w0 = _mm256_loadu_ps(p);
         *w1 = _mm256_loadu_ps(p + 8);
+    }
+}
+
+/* Quantised weights (Q4_1, Q8_0) are multiplied block by block. For each GGUF block b of 32
+ * inputs and each output: s = sum over the block of x[k] * q[k] (the integer levels, exact as
+ * floats; one FMA per k, in order, from zero), then y = fma(d, s, y) and, for Q4_1,
+ * y = fma(m, sx[b], y), sx[b] being the block's sum of x (summed in order, the same in every
+ * call). That is the dequantised weight's product (w = d*q + m) rearranged: about half the
+ * instructions per weight of rebuilding each w, rounding that differs from the fp32 matmul by
+ * about an ulp per block, and still arithmetic per output that depends neither on the other
+ * rows nor on the threads. A one-hot row reads back gguf-py's fl(fl(d*q) + m) / fl(q*d) exactly. */
+static inline __attribute__((always_inline)) void levels_at(int64_t kind, const uint8_t *qs, int64_t in, int64_t g,
+                                                            int64_t k, __m256 *q0, __m256 *q1) {
+    if (kind == DD_Q4_1) { /* byte j: output j in the low nibble, output j + 8 in the high one */
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (g * in + k) * 8)));
+        *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+        *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + (g * in + k) * 16));
+        *q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        *q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    }
+}
+
+/* sx[r * nb + b] = x[r, 32b] + ... + x[r, 32b + 31], in order. */
+static void block_sums(const float *x, int64_t n, int64_t in, float *sx) {
+    const int64_t nb = in / 32;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += x[r * in + b * 32 + k];
+            sx[r * nb + b] = s;
+        }
+}
+
+/* The end of block b for one row: t (+)= d * s (+ m * sx), two vectors of 8 outputs. */
+static inline __attribute__((always_inline)) void block_end(int64_t kind, const dd_weight *W, int64_t g, int64_t b,
+                                                            int64_t nb, float sxv, __m256 s0, __m256 s1,
+                                                            __m256 *t0, __m256 *t1) {
+    const float *d = W->d + (g * nb + b) * 16;
+    *t0 = _mm256_fmadd_ps(_mm256_loadu_ps(d), s0, *t0);
+    *t1 = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), s1, *t1);
+    if (kind == DD_Q4_1) {
+        const float *m = W->m + (g * nb + b) * 16;
+        const __m256 sx = _mm256_set1_ps(sxv);
+        *t0 = _mm256_fmadd_ps(_mm256_loadu_ps(m), sx, *t0);
+        *t1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sx, *t1);
     }
 }
 
@@ -198,6 +242,115 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
             store_group(W, g, _mm256_loadu_ps(acc + r * 16), _mm256_loadu_ps(acc + r * 16 + 8), y + r * ldy, accumulate); \
     }
 
+/* Quantised: rows [0, R) of x against group g, block by block (see levels_at). */
+#define QPASS(KIND_ID, KIND, R)                                                                     \
+    static void qpass_##KIND##_##R(const dd_weight *W, int64_t g, const float *x, int64_t ldx,      \
+                                   const float *sx, float *y, int64_t ldy, int accumulate) {        \
+        const int64_t nb = W->in / 32;                                                              \
+        __m256 t0[R], t1[R];                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            __m256 s0[R], s1[R];                                                                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_ps(); \
+            for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                        \
+                __m256 q0, q1;                                                                      \
+                levels_at(KIND_ID, W->qs, W->in, g, k, &q0, &q1);                                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                         \
+                    s0[r] = _mm256_fmadd_ps(xv, q0, s0[r]);                                         \
+                    s1[r] = _mm256_fmadd_ps(xv, q1, s1[r]);                                         \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+                block_end(KIND_ID, W, g, b, nb, KIND_ID == DD_Q4_1 ? sx[r * nb + b] : 0.0f, s0[r], s1[r], &t0[r], &t1[r]); \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
+            store_group(W, g, t0[r], t1[r], y + r * ldy, accumulate);                               \
+    }
+
+/* Quantised, one row against groups g, g + 1, g + 2: six independent chains. */
+#define QPASS1X3(KIND_ID, KIND)                                                                     \
+    static void qpass_##KIND##_1x3(const dd_weight *W, int64_t g, const float *x, const float *sx, \
+                                   float *y, int accumulate) {                                      \
+        const int64_t nb = W->in / 32;                                                              \
+        __m256 t[6];                                                                                \
+        _Pragma("GCC unroll 8") for (int j = 0; j < 6; j++) t[j] = _mm256_setzero_ps();             \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            __m256 s[6];                                                                            \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 6; j++) s[j] = _mm256_setzero_ps();         \
+            for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                        \
+                const __m256 xv = _mm256_broadcast_ss(x + k);                                       \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++) {                               \
+                    __m256 q0, q1;                                                                  \
+                    levels_at(KIND_ID, W->qs, W->in, g + j, k, &q0, &q1);                           \
+                    s[2 * j] = _mm256_fmadd_ps(xv, q0, s[2 * j]);                                   \
+                    s[2 * j + 1] = _mm256_fmadd_ps(xv, q1, s[2 * j + 1]);                           \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++)                                     \
+                block_end(KIND_ID, W, g + j, b, nb, KIND_ID == DD_Q4_1 ? sx[b] : 0.0f, s[2 * j], s[2 * j + 1], &t[2 * j], &t[2 * j + 1]); \
+        }                                                                                           \
+        _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++) store_group(W, g + j, t[2 * j], t[2 * j + 1], y, accumulate); \
+    }
+
+#define QPASSES(KIND_ID, KIND)                                                                      \
+    QPASS(KIND_ID, KIND, 1) QPASS(KIND_ID, KIND, 2) QPASS(KIND_ID, KIND, 3) QPASS(KIND_ID, KIND, 4) \
+    QPASS(KIND_ID, KIND, 5) QPASS(KIND_ID, KIND, 6) QPASS1X3(KIND_ID, KIND)                           \
+    /* all n rows against group g, in balanced tiles of at most TILE rows (7 = 4 + 3); the      \
+     * group's levels stay in L1 between tiles */                                               \
+    static void qgroup_##KIND(const dd_weight *W, int64_t g, const float *x, int64_t n,            \
+                              const float *sx, float *y, int64_t ldy, int acc) {                    \
+        const int64_t ldx = W->in, nb = W->in / 32, tiles = (n + TILE - 1) / TILE;                  \
+        for (int64_t t = 0, r = 0; t < tiles; t++) {                                                \
+            const int64_t rows = n / tiles + (t < n % tiles);                                       \
+            const float *xr = x + r * ldx, *sr = sx + r * nb;                                       \
+            float *yr = y + r * ldy;                                                                \
+            switch (rows) {                                                                         \
+            case 1: qpass_##KIND##_1(W, g, xr, ldx, sr, yr, ldy, acc); break;                       \
+            case 2: qpass_##KIND##_2(W, g, xr, ldx, sr, yr, ldy, acc); break;                       \
+            case 3: qpass_##KIND##_3(W, g, xr, ldx, sr, yr, ldy, acc); break;                       \
+            case 4: qpass_##KIND##_4(W, g, xr, ldx, sr, yr, ldy, acc); break;                       \
+            case 5: qpass_##KIND##_5(W, g, xr, ldx, sr, yr, ldy, acc); break;                       \
+            default: qpass_##KIND##_6(W, g, xr, ldx, sr, yr, ldy, acc); break;                      \
+            }                                                                                       \
+            r += rows;                                                                              \
+        }                                                                                           \
+    }
+
+QPASSES(DD_Q4_1, q4_1)
+QPASSES(DD_Q8_0, q8_0)
+
+/* Quantised y (+)= x @ W^T inside a parallel region (see gemm_shared). */
+static void qgemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32;
+    const int q4 = W->kind == DD_Q4_1;
+    float *sx = malloc(sizeof(float) * (size_t)(n * nb + 1)); /* each thread its own copy: no sharing */
+    if (q4) block_sums(x, n, W->in, sx);
+    if (n == 1) { /* three groups per pass: six FMA chains hide the FMA latency */
+        const int64_t triples = (groups + 2) / 3;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < triples; t++) {
+            const int64_t g = 3 * t;
+            if (g + 3 <= groups) {
+                if (q4) qpass_q4_1_1x3(W, g, x, sx, y, acc);
+                else qpass_q8_0_1x3(W, g, x, sx, y, acc);
+            } else {
+                for (int64_t j = g; j < groups; j++) {
+                    if (q4) qpass_q4_1_1(W, j, x, W->in, sx, y, ldy, acc);
+                    else qpass_q8_0_1(W, j, x, W->in, sx, y, ldy, acc);
+                }
+            }
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (q4) qgroup_q4_1(W, g, x, n, sx, y, ldy, acc);
+            else qgroup_q8_0(W, g, x, n, sx, y, ldy, acc);
+        }
+    }
+    free(sx);
+}
+
 #define PASSES(KIND_ID, KIND)                                                                       \
     PASS(KIND_ID, KIND, 1) PASS(KIND_ID, KIND, 2) PASS(KIND_ID, KIND, 3) PASS(KIND_ID, KIND, 4)     \
     PASS(KIND_ID, KIND, 5) PASS(KIND_ID, KIND, 6) PASS1X2(KIND_ID, KIND) BUFFERED(KIND_ID, KIND)    \
@@ -224,20 +377,24 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         }                                                                                           \
     }
 
-PASSES(DD_Q4_1, q4_1)
-PASSES(DD_Q8_0, q8_0)
 PASSES(DD_F32, f32)
+PASSES(DD_F16, f16)
+PASSES(DD_BF16, bf16)
 
 /* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
  * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    if (W->kind == DD_Q4_1 || W->kind == DD_Q8_0) {
+        qgemm_shared(W, x, n, y, ldy, acc);
+        return;
+    }
     const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;
     if (n > BUFFER_FROM && W->in % 32 == 0) { /* many rows: read (and rebuild) each weight block once */
         float *sums = malloc(sizeof(float) * 16 * (size_t)n);
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
-            if (W->kind == DD_Q4_1) buffered_q4_1(W, g, x, n, y, ldy, acc, sums);
-            else if (W->kind == DD_Q8_0) buffered_q8_0(W, g, x, n, y, ldy, acc, sums);
+            if (W->kind == DD_F16) buffered_f16(W, g, x, n, y, ldy, acc, sums);
+            else if (W->kind == DD_BF16) buffered_bf16(W, g, x, n, y, ldy, acc, sums);
             else buffered_f32(W, g, x, n, y, ldy, acc, sums);
         }
         free(sums);
@@ -247,14 +404,14 @@ static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y,
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t g = 2 * p;
         const int ng = g + 1 < groups ? 2 : 1;
-        if (W->kind == DD_Q4_1) groups_q4_1(W, g, ng, x, n, y, ldy, acc);
-        else if (W->kind == DD_Q8_0) groups_q8_0(W, g, ng, x, n, y, ldy, acc);
+        if (W->kind == DD_F16) groups_f16(W, g, ng, x, n, y, ldy, acc);
+        else if (W->kind == DD_BF16) groups_bf16(W, g, ng, x, n, y, ldy, acc);
         else groups_f32(W, g, ng, x, n, y, ldy, acc);
     }
 }
 
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
-    if (W->kind != DD_F32 && W->in % 32) return 1;
+    if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0) && W->in % 32) return 1;
 #pragma omp parallel num_threads(nthreads)
     gemm_shared(W, x, n, y, W->out, 0);
     return 0;
