@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,3 +40,11 @@ def default_hf():
     from ddspec.models.loading import load_target
 
     return load_target("default", impl="hf")
+
+
+@pytest.fixture(autouse=True)
+def _exact_draft_weights(monkeypatch):
+    """Tests compare drafting with the head's own maths: exact head weights unless a test asks for
+    the Q8_0 drafting weights (DDSPEC_DRAFT_WEIGHTS=q8_0, the native default) itself."""
+    if "DDSPEC_DRAFT_WEIGHTS" not in os.environ:
+        monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "exact")

@@ -32,9 +32,10 @@ def test_default_model_prefill_logits_close(default_native, default_hf):
     assert default_native.info.eos_token_ids == (2,)
 
 
-def test_shipped_head_is_the_default_and_lossless(default_native):
+def test_shipped_head_is_the_default_and_lossless(default_native, monkeypatch):
     from ddspec.methods import make_drafter, shipped_head
 
+    monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "q8_0")  # as users run it (the native default)
     assert shipped_head(default_native.info.name) is not None
     drafter = make_drafter("ddd", default_native, None)  # no --head: the shipped one
     assert hasattr(drafter.head, "d2t") and drafter.head.d2t.numel() == 8192

@@ -25,8 +25,9 @@ def _fused_head(target, layers=(1,), seed=5):
 
 
 @pytest.mark.parametrize("impl", ["native", "hf"])
-def test_drafting_reads_the_fused_layers_as_training_does(tiny_targets, impl):
+def test_drafting_reads_the_fused_layers_as_training_does(tiny_targets, impl, monkeypatch):
     """The root's f̂ after prefill equals the training forward fed the layers stage's stored states."""
+    monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "exact")  # the head's own values (Q8_0 drafting approximates them)
     from ddspec.train.layers import layer_states
 
     target = tiny_targets[("llama", impl)]
@@ -40,6 +41,8 @@ def test_drafting_reads_the_fused_layers_as_training_does(tiny_targets, impl):
     out = target.forward(prompt, torch.arange(len(prompt)), None, drafter.hidden_layers)
     drafter.reset(64)
     drafter.prefill(prompt, out, root)
+    fast, plain_maths = drafter.packed.committed_features(out, torch.tensor([0, 3, 7])), head.committed_features(out, torch.tensor([0, 3, 7]))
+    assert torch.allclose(fast, plain_maths, atol=1e-5, rtol=1e-5)  # the fuse matmul on the planned kernel
     seq = torch.cat([prompt, root.view(1)])
     stored = layer_states(native, [seq], (1,))[0]  # what `ddspec train layers` writes: [len - 1, n * H] fp16
     with torch.no_grad():

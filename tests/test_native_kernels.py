@@ -145,21 +145,25 @@ def test_fused_layer_equals_the_torch_layer(tiny_dirs, family, monkeypatch):
     assert (reference.cache.values[:, :, :, :n] - fused.cache.values[:, :, :, :n]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("weights", ["exact", "q8_0"])
 @pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "ddspec"])
-def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, monkeypatch):
-    """Target and draft head both on the C path: greedy output equals plain decoding."""
+def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, weights, monkeypatch):
+    """Target and draft head both on the C path (the head's weights exact, or Q8_0 as drafting
+    uses them by default): greedy output equals plain decoding."""
     from ddspec.config import StopConfig
     from ddspec.engine import Engine
     from ddspec.models.loading import load_target
     from test_spec_engine import PROMPTS, eagle
 
     monkeypatch.setenv("DDSPEC_KERNEL", "native")
+    monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", weights)
     target = load_target(str(tiny_dirs["llama"]), impl="native")
     stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
     for prompt in PROMPTS[:2]:
         ref = Engine(target).generate(prompt, stop).token_ids
         drafter = eagle(target, method)
         assert drafter.packed.plan.needed == {"native"} and drafter.packed.layers[0].fused is not None
+        assert drafter.packed.layers[0].qkv.native.kind == ("q8_0" if weights == "q8_0" else "f32")
         assert Engine(target, drafter).generate(prompt, stop).token_ids == ref
 
 

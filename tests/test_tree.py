@@ -89,6 +89,18 @@ def test_invariants_are_asserted():
     _tree([0, 5, 5], [-1, 0, 1], [0, 1, 2])  # equal tokens on different parents are fine
 
 
+def test_host_and_device_invariant_checks_agree():
+    """CPU trees are checked on host lists, other devices with tensor ops: the same four verdicts."""
+    cases = [([0, 1, 2], [-1, 2, 0], [0, 2, 1]), ([0, 1], [0, 0], [0, 1]), ([0, 1, 2], [-1, 0, 1], [0, 1, 1]),
+             ([0, 5, 5], [-1, 0, 0], [0, 1, 1]), ([0, 5, 5], [-1, 0, 1], [0, 1, 2]), ([-1, 2], [-1, 0], [0, 1])]
+    for tokens, parents, depths in cases:
+        tree = object.__new__(DraftTree)  # skip __post_init__: these trees are meant to be broken
+        for name, v in (("tokens", tokens), ("parents", parents), ("depths", depths)):
+            object.__setattr__(tree, name, torch.tensor(v))
+        object.__setattr__(tree, "scores", torch.zeros(len(tokens)))
+        assert list(tree._invariants_host()) == tree._invariants().tolist(), (tokens, parents, depths)
+
+
 def test_paths_positions_and_constructors():
     assert HAND.leaf_paths() == [[0, 2], [0, 1, 3, 4], [0, 1, 5]]
     assert HAND.path_to(4).tolist() == [0, 1, 3, 4]

@@ -10,6 +10,7 @@ import torch
 from ddspec.config import SamplingConfig
 from ddspec.sampling import sample, target_probs
 from ddspec.tree import DraftTree
+from ddspec.verify.greedy import _vectorised
 from ddspec.verify import (
     Verdict,
     verify,
@@ -64,6 +65,7 @@ def test_greedy_matches_reference_on_random_trees():
         logits = _agreeing_logits(gen, tree)
         fast, ref = verify_greedy(tree, logits), verify_greedy_reference(tree, logits)
         assert _same(fast, ref), (tree, fast, ref)
+        assert _same(_vectorised(tree, logits.argmax(dim=-1)), ref)  # the device path (GPUs), run here on the CPU
         depths.append(fast.accepted)
     assert max(depths) >= 3 and depths.count(0) > 10  # both deep and empty acceptances occurred
 

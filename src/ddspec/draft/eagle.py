@@ -85,6 +85,7 @@ class EagleDrafter:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
         # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
         self.packed = head.drafting_forward()
+        self._features = getattr(self.packed, "committed_features", None) or head.committed_features
         blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks)  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
@@ -163,7 +164,7 @@ class EagleDrafter:
     @torch.inference_mode()
     def _committed_features(self, target_out: TargetOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The head's input features at committed positions (``rows`` of the forward; None = all)."""
-        return self.head.committed_features(target_out, rows)
+        return self._features(target_out, rows)
 
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])

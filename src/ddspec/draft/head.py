@@ -28,13 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddspec.draft.features import fusion_input
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
-
-
-def fusion_input(states: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
-    """The fused head's extra input: the listed residual streams, each RMS-normalised (no weight), concatenated."""
-    return torch.cat([F.rms_norm(s.float(), (s.shape[-1],), None, eps) for s in states], dim=-1)
 
 
 def cached_rotary(head: nn.Module) -> Rotary:

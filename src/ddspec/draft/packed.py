@@ -13,31 +13,65 @@ The weights are copied when the drafter is built: rebuild the drafter after chan
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ddspec import native as native_lib
+from ddspec.draft.features import fusion_input
+from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
 from ddspec.models.llama import LlamaLayer, layer_forward, measure_layers_plan, native_layers_forward
 
 
+def draft_weights() -> str:
+    """How the native kernel holds a head's matmul weights: ``DDSPEC_DRAFT_WEIGHTS`` = ``exact``
+    (their values; fp16 when they are fp16 values) or ``q8_0`` (GGUF Q8_0 blocks: a quarter of
+    fp32's bytes; the drafts change a little, the output does not: the target verifies them)."""
+    value = os.environ.get("DDSPEC_DRAFT_WEIGHTS", DEFAULT_DRAFT_WEIGHTS).strip().lower()
+    if value not in ("exact", "q8_0"):
+        raise ConfigError(f"DDSPEC_DRAFT_WEIGHTS={value!r}: choose exact or q8_0")
+    return value
+
+
+DEFAULT_DRAFT_WEIGHTS = "q8_0"  # measured: the same tau, cheaper levels (AMD EPYC, 2026-12-01)
+
+
 class PackedHead:
-    def __init__(self, head) -> None:  # an EagleHead (head.py builds this: no import back)
+    def __init__(self, head, weights: str | None = None) -> None:  # an EagleHead (head.py builds this: no import back)
         state = {k: v.detach() for k, v in head.state_dict().items()}
         self.arch, self.rotary = head.arch, head.rotary()
         n_layers = len(head.layers)
+        names = [k for k in state if k.endswith("_proj.weight")] + ["fc.weight"] + (["fuse.weight"] if head.fuse_layers else [])
+        self.weights = weights or draft_weights()
+        quantise = self.weights == "q8_0" and native_lib.available() and all(state[k].shape[1] % 32 == 0 for k in names)
+        blocks = {k: native_lib.NativeWeight.q8_0(state[k]) for k in names} if quantise else None
 
         def measure(options) -> KernelPlan:  # whole head layers, as a draft level runs them
             plan = KernelPlan.uniform("mm")
-            layers = [LlamaLayer(state, f"layers.{i}.", self.arch, plan, set(options)) for i in range(n_layers)]
+            layers = [LlamaLayer(state, f"layers.{i}.", self.arch, plan, set(options), blocks) for i in range(n_layers)]
             return measure_layers_plan(layers, self.arch, self.rotary, options, prefix=128)
 
-        names = [k for k in state if k.endswith("_proj.weight")] + ["fc.weight"]
         w = state[names[0]]
         self.plan = choose_plan(f"head layers x{n_layers}", [list(state[k].shape) for k in names], w.device, w.dtype,
-                                measure)
-        self.fc = Weight(state["fc.weight"], self.plan.needed)
+                                measure, "q8_0" if quantise else "")
+        needed = self.plan.needed
+        self.fc = Weight(state["fc.weight"], needed, blocks and blocks["fc.weight"])
         self.fc_bias = state.get("fc.bias")
-        self.layers = [LlamaLayer(state, f"layers.{i}.", self.arch, self.plan) for i in range(n_layers)]
+        self.fuse_layers = head.fuse_layers  # a fused head's f_t + fuse(...) on the same kernels
+        self.fuse = Weight(state["fuse.weight"], needed, blocks and blocks["fuse.weight"]) if self.fuse_layers else None
+        self.layers = [LlamaLayer(state, f"layers.{i}.", self.arch, self.plan, None, blocks) for i in range(n_layers)]
+
+    @torch.inference_mode()
+    def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`EagleHead.committed_features` with the fuse matmul on the planned kernel."""
+        f = target_out.features if rows is None else target_out.features[rows]
+        if self.fuse is None:
+            return f
+        states = [target_out.hidden_states[i] for i in self.fuse_layers]
+        extra = fusion_input(states if rows is None else [s[rows] for s in states])
+        return f + self.fuse(extra, self.plan.kernel(extra.shape[0]))
 
     @torch.inference_mode()
     def __call__(

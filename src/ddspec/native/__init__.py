@@ -147,6 +147,18 @@ class NativeWeight:
         w = w_oi.detach().float()
         return cls(exact_kind(w), w.shape[0], w.shape[1], w=w, bias=bias)
 
+    @classmethod
+    def q8_0(cls, w_oi: torch.Tensor) -> "NativeWeight":
+        """``w_oi`` [out, in] quantised to GGUF's Q8_0 (per block of 32 inputs: d = max|w| / 127 in
+        fp16, q = round(w / d)): a quarter of fp32's bytes, an approximation of the weight (for a
+        draft head, whose output only proposes tokens the target then verifies)."""
+        out, inp = w_oi.shape
+        blocks = w_oi.detach().float().reshape(out, inp // 32, 32)
+        d = (blocks.abs().amax(dim=-1) / 127).to(torch.float16).float()  # [out, nb]
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = (blocks * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return cls("q8_0", out, inp, qs=q, d=d)
+
     def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
         if bias is None:
             return self

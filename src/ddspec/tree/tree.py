@@ -33,8 +33,10 @@ class DraftTree:
             assert value.dim() == 1 and value.shape[0] == n and n >= 1, f"{name} must be [N], N >= 1"
         assert self.tokens.dtype == self.parents.dtype == self.depths.dtype == torch.int64
         assert self.scores.dtype == torch.float32, "scores must be float32"
-        # host sync (one): every invariant is reduced on the device, then read at once
-        root_ok, topo_ok, depth_ok, siblings_ok = self._invariants().tolist()
+        if self.tokens.device.type == "cpu":  # a few dozen numbers: plain Python beats a dozen tensor ops
+            root_ok, topo_ok, depth_ok, siblings_ok = self._invariants_host()
+        else:  # host sync (one): every invariant is reduced on the device, then read at once
+            root_ok, topo_ok, depth_ok, siblings_ok = self._invariants().tolist()
         assert root_ok, "node 0 must be the root: parents[0] = -1, depths[0] = 0, tokens >= 0"
         assert topo_ok, "nodes must be in topological order: 0 <= parents[i] < i for i > 0"
         assert depth_ok, "depths[i] must equal depths[parents[i]] + 1"
@@ -51,6 +53,15 @@ class DraftTree:
         keys = torch.sort((self.parents + 1) * width + self.tokens).values  # [N]
         siblings_ok = (keys[1:] != keys[:-1]).all()
         return torch.stack([root_ok, topo_ok, depth_ok, siblings_ok])
+
+    def _invariants_host(self) -> tuple[bool, bool, bool, bool]:
+        """The same four checks as :meth:`_invariants`, on host lists (CPU trees)."""
+        tokens, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+        root_ok = parents[0] == -1 and depths[0] == 0 and min(tokens) >= 0
+        topo_ok = all(0 <= p < i for i, p in enumerate(parents) if i)
+        depth_ok = all(depths[i] == depths[max(p, 0)] + 1 for i, p in enumerate(parents) if i)
+        siblings_ok = len(set(zip(parents, tokens))) == len(tokens)
+        return root_ok, topo_ok, depth_ok, siblings_ok
 
     @property
     def size(self) -> int:

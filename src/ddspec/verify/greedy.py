@@ -42,6 +42,13 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     all its non-root ancestors match. The deepest accepted node ends the path. One host sync.
     """
     target = logits.argmax(dim=-1)  # [N] the target's own next token after each node
+    if target.device.type == "cpu":  # small trees on a CPU: one walk over host lists beats a dozen tensor ops
+        return _walk(tree, target)
+    return _vectorised(tree, target)
+
+
+def _vectorised(tree: DraftTree, target: torch.Tensor) -> Verdict:
+    """verify_greedy as tensor ops on the device, one host sync. target: [N] argmax at each node."""
     match = tree.tokens == target[tree.parents.clamp(min=0)]  # [N]
     match[0] = True  # the root is not a drafted token
     ancestors = tree.attention_mask()  # [N, N] row i: i's ancestors and i
@@ -49,6 +56,16 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     last = torch.where(accepted, tree.depths, -1).argmax()  # [] deepest accepted node
     path = ancestors[last].nonzero().squeeze(1)  # [a+1] host sync; ancestors ascend in index
     return Verdict(path=path, bonus=target[last])
+
+
+def _walk(tree: DraftTree, target: torch.Tensor) -> Verdict:
+    """verify_greedy on host lists: from the root, step to the child carrying the target's token."""
+    best, tokens, parents = target.tolist(), tree.tokens.tolist(), tree.parents.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # siblings are distinct
+    path = [0]
+    while (nxt := child.get((path[-1], best[path[-1]]))) is not None:
+        path.append(nxt)
+    return Verdict(path=torch.tensor(path, dtype=torch.int64), bonus=target[path[-1]])
 
 
 def verify_greedy_reference(tree: DraftTree, logits: torch.Tensor) -> Verdict:
