@@ -209,10 +209,14 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
     if kind == "q4_1":
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
         q = grouped(q)  # [G, in, 16] values 0..15
-        packed = (q[..., :8] | (q[..., 8:] << 4)).contiguous()  # byte j: output j (low), j + 8 (high)
-        return None, packed, grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))
-    q = qs.reshape(out, inp).view(torch.int8)
-    return None, grouped(q).view(torch.uint8), grouped(d.float().reshape(out, nb)), None
+        levels = (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)  # byte j: output j (low), j + 8 (high)
+        head = [grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))]  # [G, nb, 16] each
+    else:
+        levels = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8).reshape(groups, nb, 512)
+        head = [grouped(d.float().reshape(out, nb))]
+    # one contiguous block per (group, 32 inputs): scales (and minimums), then the levels
+    blocks = torch.cat([h.contiguous().view(torch.uint8) for h in head] + [levels], dim=-1).contiguous()
+    return None, blocks, None, None
 
 
 def exact_kind(w: torch.Tensor) -> str:

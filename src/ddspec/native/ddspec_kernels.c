@@ -31,11 +31,12 @@ enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4 };
  *   DD_F32:  w  [G, in, 16] floats
  *   DD_F16, DD_BF16: w [G, in, 16] halves / bfloat16s (used only when they hold the fp32
  *            weights exactly, e.g. a head shipped in fp16: half the bytes, the same values)
- *   DD_Q4_1: qs [G, in, 8] bytes, byte j = q(output j) | q(output j + 8) << 4, and
- *            d, m [G, in/32, 16]: each output's block scale and minimum (GGUF blocks span 32 k)
- *   DD_Q8_0: qs [G, in, 16] int8, d [G, in/32, 16]
+ *   DD_Q4_1: qs [G, in/32, 384] bytes: for each group and block of 32 inputs, the 16 outputs'
+ *            scales d and minimums m (fp32), then 32 x 8 bytes of levels, byte j of input k =
+ *            q(output j) | q(output j + 8) << 4: one stream of memory per group
+ *   DD_Q8_0: qs [G, in/32, 576] bytes: 16 scales d (fp32), then 32 x 16 int8 levels
  * The kernel broadcasts x[r, k] and accumulates one FMA per k into each output's lane, in
- * order of k: the sum an output gets depends neither on how many rows nor on how many
+ * order of k (per block for the quantised kinds, see levels_at): the sum an output gets depends neither on how many rows nor on how many
  * outputs share a pass (nor on the threads), so a row's result is the same bit for bit
  * whether it is computed alone or inside a tree. */
 typedef struct {
@@ -93,14 +94,16 @@ static inline __attribute__((always_inline)) void weights_at(const dd_weight *W,
  * instructions per weight of rebuilding each w, rounding that differs from the fp32 matmul by
  * about an ulp per block, and still arithmetic per output that depends neither on the other
  * rows nor on the threads. A one-hot row reads back gguf-py's fl(fl(d*q) + m) / fl(q*d) exactly. */
-static inline __attribute__((always_inline)) void levels_at(int64_t kind, const uint8_t *qs, int64_t in, int64_t g,
-                                                            int64_t k, __m256 *q0, __m256 *q1) {
+#define BLOCK_BYTES(KIND) ((KIND) == DD_Q4_1 ? 384 : 576) /* one group's block of 32 inputs, see dd_weight */
+
+static inline __attribute__((always_inline)) void levels_at(int64_t kind, const uint8_t *blk, int64_t kk,
+                                                            __m256 *q0, __m256 *q1) {
     if (kind == DD_Q4_1) { /* byte j: output j in the low nibble, output j + 8 in the high one */
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + (g * in + k) * 8)));
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128 + kk * 8)));
         *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
         *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
     } else {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + (g * in + k) * 16));
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16));
         *q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
         *q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
     }
@@ -117,18 +120,16 @@ static void block_sums(const float *x, int64_t n, int64_t in, float *sx) {
         }
 }
 
-/* The end of block b for one row: t (+)= d * s (+ m * sx), two vectors of 8 outputs. */
-static inline __attribute__((always_inline)) void block_end(int64_t kind, const dd_weight *W, int64_t g, int64_t b,
-                                                            int64_t nb, float sxv, __m256 s0, __m256 s1,
-                                                            __m256 *t0, __m256 *t1) {
-    const float *d = W->d + (g * nb + b) * 16;
-    *t0 = _mm256_fmadd_ps(_mm256_loadu_ps(d), s0, *t0);
-    *t1 = _mm256_fmadd_ps(_mm256_loadu_ps(d + 8), s1, *t1);
+/* The end of a block for one row: t (+)= d * s (+ m * sx), two vectors of 8 outputs. */
+static inline __attribute__((always_inline)) void block_end(int64_t kind, const uint8_t *blk, float sxv,
+                                                            __m256 s0, __m256 s1, __m256 *t0, __m256 *t1) {
+    const float *d = (const float *)blk;
+    *t0 = _mm256_fmadd_ps(_mm256_load_ps(d), s0, *t0);
+    *t1 = _mm256_fmadd_ps(_mm256_load_ps(d + 8), s1, *t1);
     if (kind == DD_Q4_1) {
-        const float *m = W->m + (g * nb + b) * 16;
         const __m256 sx = _mm256_set1_ps(sxv);
-        *t0 = _mm256_fmadd_ps(_mm256_loadu_ps(m), sx, *t0);
-        *t1 = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8), sx, *t1);
+        *t0 = _mm256_fmadd_ps(_mm256_load_ps(d + 16), sx, *t0);
+        *t1 = _mm256_fmadd_ps(_mm256_load_ps(d + 24), sx, *t1);
     }
 }
 
@@ -252,17 +253,18 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         for (int64_t b = 0; b < nb; b++) {                                                          \
             __m256 s0[R], s1[R];                                                                    \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_ps(); \
-            for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                        \
+            const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
+            for (int64_t kk = 0; kk < 32; kk++) {                                                   \
                 __m256 q0, q1;                                                                      \
-                levels_at(KIND_ID, W->qs, W->in, g, k, &q0, &q1);                                   \
+                levels_at(KIND_ID, blk, kk, &q0, &q1);                                              \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
-                    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                         \
+                    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + b * 32 + kk);               \
                     s0[r] = _mm256_fmadd_ps(xv, q0, s0[r]);                                         \
                     s1[r] = _mm256_fmadd_ps(xv, q1, s1[r]);                                         \
                 }                                                                                   \
             }                                                                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
-                block_end(KIND_ID, W, g, b, nb, KIND_ID == DD_Q4_1 ? sx[r * nb + b] : 0.0f, s0[r], s1[r], &t0[r], &t1[r]); \
+                block_end(KIND_ID, blk, KIND_ID == DD_Q4_1 ? sx[r * nb + b] : 0.0f, s0[r], s1[r], &t0[r], &t1[r]); \
         }                                                                                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
             store_group(W, g, t0[r], t1[r], y + r * ldy, accumulate);                               \
@@ -278,17 +280,19 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         for (int64_t b = 0; b < nb; b++) {                                                          \
             __m256 s[6];                                                                            \
             _Pragma("GCC unroll 8") for (int j = 0; j < 6; j++) s[j] = _mm256_setzero_ps();         \
-            for (int64_t k = b * 32; k < b * 32 + 32; k++) {                                        \
-                const __m256 xv = _mm256_broadcast_ss(x + k);                                       \
+            const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
+            const int64_t next = nb * BLOCK_BYTES(KIND_ID); /* the same block of the next group */  \
+            for (int64_t kk = 0; kk < 32; kk++) {                                                   \
+                const __m256 xv = _mm256_broadcast_ss(x + b * 32 + kk);                             \
                 _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++) {                               \
                     __m256 q0, q1;                                                                  \
-                    levels_at(KIND_ID, W->qs, W->in, g + j, k, &q0, &q1);                           \
+                    levels_at(KIND_ID, blk + j * next, kk, &q0, &q1);                               \
                     s[2 * j] = _mm256_fmadd_ps(xv, q0, s[2 * j]);                                   \
                     s[2 * j + 1] = _mm256_fmadd_ps(xv, q1, s[2 * j + 1]);                           \
                 }                                                                                   \
             }                                                                                       \
             _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++)                                     \
-                block_end(KIND_ID, W, g + j, b, nb, KIND_ID == DD_Q4_1 ? sx[b] : 0.0f, s[2 * j], s[2 * j + 1], &t[2 * j], &t[2 * j + 1]); \
+                block_end(KIND_ID, blk + j * next, KIND_ID == DD_Q4_1 ? sx[b] : 0.0f, s[2 * j], s[2 * j + 1], &t[2 * j], &t[2 * j + 1]); \
         }                                                                                           \
         _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++) store_group(W, g + j, t[2 * j], t[2 * j + 1], y, accumulate); \
     }
