@@ -297,9 +297,51 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         _Pragma("GCC unroll 4") for (int j = 0; j < 3; j++) store_group(W, g + j, t[2 * j], t[2 * j + 1], y, accumulate); \
     }
 
+/* Quantised, rows [0, R) against groups g and g + 1 (4R chains: with 2 rows, one group alone
+ * leaves the FMA units waiting on their own latency). The arithmetic of qpass. */
+#define QPASSX2(KIND_ID, KIND, R)                                                                   \
+    static void qpass_##KIND##_##R##x2(const dd_weight *W, int64_t g, const float *x, int64_t ldx,  \
+                                       const float *sx, float *y, int64_t ldy, int accumulate) {    \
+        const int64_t nb = W->in / 32, next = nb * BLOCK_BYTES(KIND_ID);                            \
+        float tot[2 * R * 16] __attribute__((aligned(32)));                                         \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
+            __m256 s[4 * R];                                                                        \
+            _Pragma("GCC unroll 16") for (int j = 0; j < 4 * R; j++) s[j] = _mm256_setzero_ps();    \
+            for (int64_t kk = 0; kk < 32; kk++) {                                                   \
+                __m256 q0, q1, v0, v1;                                                              \
+                levels_at(KIND_ID, blk, kk, &q0, &q1);                                              \
+                levels_at(KIND_ID, blk + next, kk, &v0, &v1);                                       \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + b * 32 + kk);               \
+                    s[4 * r] = _mm256_fmadd_ps(xv, q0, s[4 * r]);                                   \
+                    s[4 * r + 1] = _mm256_fmadd_ps(xv, q1, s[4 * r + 1]);                           \
+                    s[4 * r + 2] = _mm256_fmadd_ps(xv, v0, s[4 * r + 2]);                           \
+                    s[4 * r + 3] = _mm256_fmadd_ps(xv, v1, s[4 * r + 3]);                           \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const float sxv = KIND_ID == DD_Q4_1 ? sx[r * nb + b] : 0.0f;                        \
+                for (int j = 0; j < 2; j++) {                                                       \
+                    float *t = tot + (2 * r + j) * 16;                                              \
+                    __m256 t0 = _mm256_load_ps(t), t1 = _mm256_load_ps(t + 8);                      \
+                    block_end(KIND_ID, blk + j * next, sxv, s[4 * r + 2 * j], s[4 * r + 2 * j + 1], &t0, &t1); \
+                    _mm256_store_ps(t, t0);                                                         \
+                    _mm256_store_ps(t + 8, t1);                                                     \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int j = 0; j < 2; j++)                                                             \
+                store_group(W, g + j, _mm256_load_ps(tot + (2 * r + j) * 16), _mm256_load_ps(tot + (2 * r + j) * 16 + 8), \
+                            y + r * ldy, accumulate);                                               \
+    }
+
 #define QPASSES(KIND_ID, KIND)                                                                      \
     QPASS(KIND_ID, KIND, 1) QPASS(KIND_ID, KIND, 2) QPASS(KIND_ID, KIND, 3) QPASS(KIND_ID, KIND, 4) \
     QPASS(KIND_ID, KIND, 5) QPASS(KIND_ID, KIND, 6) QPASS1X3(KIND_ID, KIND)                           \
+    QPASSX2(KIND_ID, KIND, 2)                                                                       \
     /* all n rows against group g, in balanced tiles of at most TILE rows (7 = 4 + 3); the      \
      * group's levels stay in L1 between tiles */                                               \
     static void qgroup_##KIND(const dd_weight *W, int64_t g, const float *x, int64_t n,            \
@@ -343,6 +385,19 @@ static void qgemm_shared(const dd_weight *W, const float *x, int64_t n, float *y
                     if (q4) qpass_q4_1_1(W, j, x, W->in, sx, y, ldy, acc);
                     else qpass_q8_0_1(W, j, x, W->in, sx, y, ldy, acc);
                 }
+            }
+        }
+    } else if (n == 2) { /* two groups per pass (measured: with 3 rows, one group per pass is faster) */
+        const int64_t pairs = (groups + 1) / 2;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t g = 2 * p;
+            if (g + 2 > groups) {
+                if (q4) qgroup_q4_1(W, g, x, n, sx, y, ldy, acc);
+                else qgroup_q8_0(W, g, x, n, sx, y, ldy, acc);
+            } else {
+                if (q4) qpass_q4_1_2x2(W, g, x, W->in, sx, y, ldy, acc);
+                else qpass_q8_0_2x2(W, g, x, W->in, sx, y, ldy, acc);
             }
         }
     } else {
