@@ -134,22 +134,29 @@ def _native_parts(blocks: dict | None, kernels: set[str]):
 
 def native_layers_forward(layers: list[LlamaLayer], x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
                           cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
-                          first: int = 0) -> torch.Tensor:
-    """The decoder layers as one C call each (``dd_layer_forward``), in place on x [N, H].
+                          first: int = 0, array=None) -> torch.Tensor:
+    """The decoder layers through ``dd_layers_forward``, in place on x [N, H]: one C call for all
+    of them (one per stretch between the layers in ``hidden_layers``).
 
     The same maths as :func:`layer_forward`; the new keys and values go into ``cache`` (layer
     ``first + i``) at its current length. mask: [N, length + N] bool or None (see everything).
-    Residual streams entering the layers in ``hidden_layers`` are copied into ``hidden``."""
-    from ddspec.native import layer_forward as fused_forward
+    Residual streams entering the layers in ``hidden_layers`` are copied into ``hidden``.
+    array: ``native.layer_array`` of the layers' structs, when the caller keeps one."""
+    from ddspec.native import layer_array, layers_forward
 
     x = x.contiguous()
     positions = positions.to(torch.int64).contiguous()
     mask = None if mask is None else mask.to(torch.bool).contiguous()
-    for i, layer in enumerate(layers):
-        if i in hidden_layers:
-            hidden[i] = x.clone()
-        fused_forward(layer.fused, x, positions, rotary.cos, rotary.sin, cache.keys[first + i, 0],
-                      cache.values[first + i, 0], cache.length, mask)
+    array = layer_array([layer.fused for layer in layers]) if array is None else array
+    done = 0
+    for cut in sorted({i for i in hidden_layers if 0 <= i < len(layers)}) + [len(layers)]:
+        if cut > done:
+            layers_forward(array, done, cut - done, x, positions, rotary.cos, rotary.sin,
+                           cache.keys[first + done:first + cut, 0], cache.values[first + done:first + cut, 0],
+                           cache.length, mask)
+        if cut < len(layers):
+            hidden[cut] = x.clone()
+        done = cut
     return x
 
 
@@ -296,6 +303,7 @@ class NativeLlama:
         self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
+        self._layer_array = None  # the layers' C structs in one array, built on the first native forward
 
     def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -399,7 +407,12 @@ class NativeLlama:
         x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
         hidden: dict[int, torch.Tensor] = {}
         if self.layer_plan.kernel(n) == "native":
-            x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers, hidden)
+            if self._layer_array is None:
+                from ddspec.native import layer_array
+
+                self._layer_array = layer_array([layer.fused for layer in self.layers])
+            x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers, hidden,
+                                      array=self._layer_array)
             cache.advance(n)
             features = self.final_norm(x)
             if self.arch.num_layers in hidden_layers:

@@ -111,6 +111,11 @@ def library() -> ctypes.CDLL | None:
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.dd_layer_forward.restype = ctypes.c_int
+    lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int]
+    lib.dd_layers_forward.restype = ctypes.c_int
     _lib = lib
     return lib
 
@@ -258,3 +263,25 @@ def layer_forward(layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cos: 
         None if mask is None else mask.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"dd_layer_forward refused its sizes (n={n}, start={start}, cache {list(keys.shape)})")
+
+
+def layer_array(layers: list[_Layer]):
+    """Consecutive decoder layers as one C array (for :func:`layers_forward`); the weights they
+    point to stay owned by their LlamaLayer objects."""
+    return (_Layer * len(layers))(*layers)
+
+
+def layers_forward(array, first: int, count: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   mask: torch.Tensor | None) -> None:
+    """Layers [first, first + count) of ``array`` in place on x [n, H], in one C call. keys/values:
+    the caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache)."""
+    n = x.shape[0]
+    layer0 = ctypes.cast(ctypes.byref(array, first * ctypes.sizeof(_Layer)), ctypes.POINTER(_Layer))
+    rc = library().dd_layers_forward(
+        layer0, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
+        None if mask is None else mask.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"dd_layers_forward refused layer {first + rc // 8}'s sizes (n={n}, start={start}, "
+                         f"cache {list(keys.shape)})")

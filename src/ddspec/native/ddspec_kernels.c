@@ -631,3 +631,17 @@ int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos,
     free(buf);
     return 0;
 }
+
+/* Layers [0, count) of `layers` in order, in place on x: dd_layer_forward for each, layer i
+ * using the cache at kc + i * layer_stride (and vc likewise). One call per forward instead of
+ * one per layer. Returns 0, or the first nonzero code with the failing layer's index * 8 added. */
+int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
+                      const float *cos_t, const float *sin_t, float *kc, float *vc, int64_t layer_stride,
+                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads) {
+    for (int64_t i = 0; i < count; i++) {
+        const int rc = dd_layer_forward(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride,
+                                        vc + i * layer_stride, tmax, start, mask, nthreads);
+        if (rc) return rc + 8 * (int)i;
+    }
+    return 0;
+}
