@@ -8,6 +8,7 @@
 | eagle2  | dynamic top-k tree, reranked (EAGLE-2) | fixed (``depth``)              |
 | ddd     | dynamic top-k tree, reranked           | Dynamic Depth Decoding checks  |
 | ddspec  | dynamic top-k tree, size by cost       | cost-aware (tree/cost.py)      |
+| lookup  | chain copied from an earlier occurrence of the context's last tokens (no head) | up to ``depth`` (default 3) |
 
 A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_tokens>``
 (any subset, in that order): ``eagle2@d3k4n8`` is a fixed-depth EAGLE-2 tree of depth 3,
@@ -25,8 +26,10 @@ from pathlib import Path
 from ddspec.config import TreeConfig
 from ddspec.errors import ConfigError, DdspecError
 
-METHODS = ("vanilla", "chain", "eagle", "eagle2", "ddd", "ddspec")
-SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dynamic", "ddspec": "dynamic"}
+METHODS = ("vanilla", "chain", "eagle", "eagle2", "ddd", "ddspec", "lookup")
+HEADLESS = ("vanilla", "lookup")  # the methods that need no draft head
+SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dynamic", "ddspec": "dynamic",
+          "lookup": "chain"}
 POLICIES = {"ddd": "ddd", "ddspec": "cost"}
 HEADS_DIR = Path(__file__).parent / "heads"
 # the heads shipped with ddspec, by target name
@@ -99,6 +102,11 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
     cfg = tree_config(method, base)
     if cfg is None:
         return None
+    name, sizes = split_method(method)
+    if name == "lookup":
+        from ddspec.draft.lookup import DEPTH, LookupDrafter
+
+        return LookupDrafter(sizes.get("depth", DEPTH), max_position=target.info.max_position)
     if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 from ddspec.bench.prompts import Prompt
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import DdspecError
-from ddspec.methods import METHODS, tree_config
+from ddspec.methods import HEADLESS, METHODS, split_method, tree_config
 from ddspec.prompts import chat_prompt_ids
 
 if TYPE_CHECKING:  # torch and the engine load when a run starts, not when the CLI parser is built
@@ -216,7 +216,7 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
             arms[m] = HFArm(hf_model, target.info.eos_token_ids, target.info.max_position, sampling, HF_ARMS[m])
             continue
         try:
-            if m != "vanilla" and head is None:
+            if split_method(m)[0] not in HEADLESS and head is None:
                 from ddspec.methods import resolve_head
 
                 head = resolve_head(head_spec, target)

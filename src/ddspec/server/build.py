@@ -14,7 +14,7 @@ import time
 from ddspec.config import SamplingConfig, TreeConfig
 from ddspec.engine import Engine
 from ddspec.errors import DdspecError
-from ddspec.methods import METHODS, default_method, shipped_head, split_method
+from ddspec.methods import HEADLESS, METHODS, default_method, shipped_head, split_method
 from ddspec.server.app import ServerConfig, Service, create_app
 from ddspec.server.worker import EngineWorker, tree_drafter_factory
 
@@ -28,11 +28,11 @@ def make_service(target, *, method: str = "auto", head: str | None = None, tree:
     if max_tokens < 1:
         raise DdspecError(f"--max-new-tokens must be >= 1, got {max_tokens}")
     has_head = head is not None or shipped_head(target.info.name) is not None
-    methods = METHODS if has_head else ("vanilla",)
+    methods = METHODS if has_head else HEADLESS
     method = default_method(target, head) if method == "auto" else method
     if split_method(method)[0] not in methods:
         raise DdspecError(f"--method {method} needs a draft head, and {target.info.name} has none: pass --head "
-                          "FOLDER or use --method vanilla")
+                          "FOLDER or use --method vanilla or lookup")
     engine = Engine(target, reuse_prefix=prefix_reuse)
     worker = EngineWorker(engine, tree_drafter_factory(target, head, tree), method, max_queue)
     worker.drafter(method)

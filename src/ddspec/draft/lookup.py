@@ -1,0 +1,81 @@
+"""Prompt lookup: draft the tokens that followed the last time the context's ending appeared.
+
+No draft model at all (Saxena, "Prompt Lookup Decoding", 2023; HF's ``prompt_lookup_num_tokens``):
+when the last n tokens (n = ``max_ngram`` down to ``min_ngram``) occurred earlier in the prompt or
+the answer, the tokens that followed that occurrence become a chain of up to ``depth`` drafts.
+Answers that quote or repeat their input (code edits, summaries, step-by-step arithmetic) get
+several tokens per verification; otherwise the step is plain decoding. Drafting costs a dict
+lookup, so on a CPU, where verifying a short chain costs little more than one token and a draft
+head's level is dear, it can pay where a head does not. Lossless like every method: the target
+verifies the chain (greedy or sampling, the draft is deterministic).
+
+The n-grams ending at each committed position are indexed once, so a step costs O(max_ngram).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddspec.models.base import TargetOutput
+from ddspec.tree import DraftTree
+from ddspec.verify import Verdict
+
+DEPTH = 3  # chain length when the method name does not set one (lookup@d<depth>); see docs/speed.md
+
+
+class LookupDrafter:
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, depth: int = DEPTH, max_ngram: int = 3, min_ngram: int = 2,
+                 max_position: int | None = None) -> None:
+        """max_position: the target's context window (drafts never go past it)."""
+        if depth < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"lookup needs depth >= 1 and 1 <= min_ngram <= max_ngram, got {depth}, "
+                             f"{min_ngram}, {max_ngram}")
+        self.depth, self.max_ngram, self.min_ngram, self.max_position = depth, max_ngram, min_ngram, max_position
+        self.tokens: list[int] = []  # committed tokens by position, then the current root
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the last position it ended at
+        self._indexed = 0  # n-grams ending before this position are in the index
+
+    @property
+    def max_tree_size(self) -> int:
+        return self.depth + 1
+
+    def reset(self, max_length: int) -> None:
+        self.tokens, self._index, self._indexed = [], {}, 0
+
+    def resume(self, max_length: int, length: int) -> None:
+        self.tokens, self._index, self._indexed = self.tokens[:length], {}, 0
+
+    def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
+        self.tokens += prompt.tolist() + [int(root)]
+
+    def _update_index(self) -> None:
+        """Index the n-grams ending at every position that has a successor (all but the root)."""
+        t = self.tokens
+        for end in range(self._indexed, len(t) - 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                self._index[tuple(t[end - n + 1:end + 1])] = end
+        self._indexed = max(self._indexed, len(t) - 1)
+
+    def continuation(self) -> list[int]:
+        """The drafts for the current context: what followed the latest earlier occurrence of its
+        longest indexed ending (at most ``depth`` tokens), or [] without one."""
+        self._update_index()
+        t = self.tokens
+        for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
+            end = self._index.get(tuple(t[-n:]))
+            if end is not None:
+                return t[end + 1:end + 1 + self.depth]
+        return []
+
+    def propose(self, root: torch.Tensor, position: int) -> DraftTree:
+        drafts = self.continuation()
+        if self.max_position is not None:  # a draft at depth d sits at position + d
+            drafts = drafts[:max(0, self.max_position - 1 - position)]
+        if not drafts:
+            return DraftTree.root_only(root)
+        return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64), torch.zeros(len(drafts)))
+
+    def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
+        self.tokens += tree.tokens[verdict.path[1:]].tolist() + [int(verdict.bonus)]

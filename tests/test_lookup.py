@@ -1,0 +1,69 @@
+"""The lookup method (prompt lookup decoding): drafts copied from earlier in the context, no head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddspec.config import SamplingConfig, StopConfig
+from ddspec.draft.lookup import LookupDrafter
+from ddspec.engine import Engine
+from ddspec.methods import make_drafter
+
+# prompts that repeat themselves (so drafts exist) and one that does not
+PROMPTS = [[5, 17, 33, 8, 90, 5, 17, 33, 8, 91, 5, 17], [7] * 9, [12, 40, 41, 42, 43, 12, 40, 41], [100, 3, 64, 12, 99]]
+
+
+def test_continuation_follows_the_latest_earlier_occurrence():
+    d = LookupDrafter(depth=3)
+    d.reset(64)
+    d.prefill(torch.tensor([5, 1, 2, 3, 4, 9, 8, 2, 3, 6, 1, 2]), None, torch.tensor(3))
+    assert d.continuation() == [4, 9, 8]  # "1 2 3" (the longest match) was followed by 4 9 8
+    d.tokens.append(7)
+    assert d.continuation() == []  # "3 7" and "2 3 7" never occurred: no drafts
+    d.tokens += [5, 1]  # "7 5 1" is new, "5 1" occurred at the start
+    assert d.continuation() == [2, 3, 4]
+    d.resume(64, 3)  # prefix reuse keeps positions [0, 3)
+    assert d.tokens == [5, 1, 2] and d.continuation() == []
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+@pytest.mark.parametrize("family, impl", [("llama", "native"), ("mistral", "hf")])
+def test_lookup_is_greedy_identical_to_plain(tiny_targets, family, impl, depth):
+    target = tiny_targets[(family, impl)]
+    stop = StopConfig(max_new_tokens=40, stop_on_eos=False)
+    drafted = 0
+    for prompt in PROMPTS:
+        ref = Engine(target).generate(prompt, stop).token_ids
+        res = Engine(target, make_drafter(f"lookup@d{depth}", target, None)).generate(prompt, stop)
+        assert res.token_ids == ref
+        assert max(s.tree_size for s in res.stats.steps) <= depth + 1
+        drafted += sum(s.tree_size > 1 for s in res.stats.steps)
+    assert drafted > 0  # the repeated prompts did get drafts (tiny random models repeat themselves too)
+
+
+def test_lookup_samples_reproducibly_and_stays_in_the_window(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95, seed=5)
+    stop = StopConfig(max_new_tokens=25, stop_on_eos=False)
+    a = Engine(target, make_drafter("lookup", target, None), cfg).generate(PROMPTS[0], stop).token_ids
+    b = Engine(target, make_drafter("lookup", target, None), cfg).generate(PROMPTS[0], stop).token_ids
+    assert a == b and len(a) == 25
+    window = target.info.max_position
+    prompt = [(7 * i) % 20 + 5 for i in range(window - 12)]  # periodic: drafts everywhere
+    stop = StopConfig(max_new_tokens=32, stop_on_eos=False)
+    ref = Engine(target).generate(prompt, stop).token_ids
+    res = Engine(target, make_drafter("lookup@d6", target, None)).generate(prompt, stop)
+    assert res.token_ids == ref and len(ref) == 12
+
+
+def test_lookup_with_prefix_reuse(tiny_targets):
+    """A chat's second turn keeps the first turn's caches: the drafter keeps its tokens too."""
+    target = tiny_targets[("llama", "native")]
+    stop = StopConfig(max_new_tokens=20, stop_on_eos=False)
+    engine = Engine(target, make_drafter("lookup", target, None), reuse_prefix=True)
+    first = engine.generate(PROMPTS[0], stop).token_ids
+    second_prompt = PROMPTS[0] + first + [5, 17, 33]
+    res = engine.generate(second_prompt, stop)
+    assert res.stats.reused_tokens > 0
+    assert res.token_ids == Engine(target).generate(second_prompt, stop).token_ids
