@@ -175,7 +175,7 @@ def test_engine_learns_from_an_injected_clock_and_rewrites_a_bad_cache_entry(tin
     ref = Engine(target).generate([5, 17, 33], StopConfig(max_new_tokens=80, stop_on_eos=False)).token_ids
     res = engine.generate([5, 17, 33], StopConfig(max_new_tokens=80, stop_on_eos=False))
     assert res.token_ids == ref
-    assert any(s.tree_size == 1 and s.draft_ms == 0.0 for s in res.stats.steps)  # plain steps: no head work
+    assert any(s.draft_ms == 0.0 for s in res.stats.steps)  # plain steps: no head work (a lookup chain at most)
     entry = json.loads(store.path.read_text())
     assert entry["source"] == "learned"  # the planted entry was corrected for the next run
     assert entry["verify_ms"]["1"] == pytest.approx(TRUE.verify_ms[1], rel=0.3)

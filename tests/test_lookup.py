@@ -67,3 +67,32 @@ def test_lookup_with_prefix_reuse(tiny_targets):
     res = engine.generate(second_prompt, stop)
     assert res.stats.reused_tokens > 0
     assert res.token_ids == Engine(target).generate(second_prompt, stop).token_ids
+
+
+def test_ddspec_plain_steps_verify_lookup_chains_and_the_head_catches_up(tiny_targets, monkeypatch):
+    """The cost-aware method's plain steps verify the lookup chain when there is one; the head
+    then catches up over every token they committed, as if it had seen each step."""
+    from test_spec_engine import eagle
+
+    target = tiny_targets[("llama", "native")]
+    drafter = eagle(target, "ddspec")
+    from ddspec.draft.lookup import LookupDrafter
+
+    drafter.lookup = LookupDrafter(max_position=target.info.max_position)
+    choices = iter([True, False, False, False] * 100)
+    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda: next(choices))
+    prompt, stop = PROMPTS[0], StopConfig(max_new_tokens=60, stop_on_eos=False)
+    res = Engine(target, drafter).generate(prompt, stop)
+    assert res.token_ids == Engine(target).generate(prompt, stop).token_ids
+    free = [s for i, s in enumerate(res.stats.steps) if i % 4 and s.tree_size > 1]  # plain steps with a chain
+    assert free and sum(s.accepted for s in free) > 0
+    drafter._flush_pending()
+    caught_up = drafter.root_hidden.clone()
+    # the same sequence taken in by a fresh drafter in one prefill: the same head state at the end
+    seq = torch.tensor(prompt + res.token_ids[:-1])
+    target.reset(128)
+    out = target.forward(seq, torch.arange(len(seq)), None, drafter.hidden_layers)
+    fresh = eagle(target, "ddspec")
+    fresh.reset(128)
+    fresh.prefill(seq, out, torch.tensor(res.token_ids[-1]))
+    assert torch.allclose(caught_up, fresh.root_hidden, atol=1e-4, rtol=1e-4)

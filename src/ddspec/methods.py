@@ -134,7 +134,10 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
 
     policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
                              max_tokens=cfg.total_tokens, persist=persist)
-    return EagleDrafter(head, target, cfg, cost_policy=policy)
+    from ddspec.draft.lookup import LookupDrafter
+
+    lookup = LookupDrafter(max_position=target.info.max_position)  # free drafts for its plain steps
+    return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)
 
 
 def default_method(target, head_spec: str | None) -> str:

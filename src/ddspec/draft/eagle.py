@@ -61,9 +61,11 @@ class DraftSlots:
 class EagleDrafter:
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None) -> None:
+    def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None, lookup=None) -> None:
         """head: an EagleHead (EAGLE-1/2, fused) or an Eagle3Head; both offer hidden_layers,
-        committed_features, drafting_forward, draft_lm_head_weight and logits_input."""
+        committed_features, drafting_forward, draft_lm_head_weight and logits_input.
+        lookup: a LookupDrafter whose chain (if any) a plain step of the cost policy verifies
+        instead of the root alone: drafts that cost nothing to make."""
         if head.hidden_size != target.info.hidden_size:
             raise ConfigError(f"head hidden size {head.hidden_size} != target hidden size {target.info.hidden_size}")
         vocab = target.info.vocab_size
@@ -92,6 +94,7 @@ class EagleDrafter:
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
         self.cost_policy = cost_policy  # kept across steps: it learns acceptance online
+        self.lookup = lookup
         self.cache = None
         self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
         self.last_policy = None
@@ -105,10 +108,12 @@ class EagleDrafter:
     @property
     def max_tree_size(self) -> int:
         if self.static is not None:
-            return self.static.size
-        if self.cfg.shape == "chain":
-            return self.cfg.depth + 1
-        return self.cfg.total_tokens
+            size = self.static.size
+        elif self.cfg.shape == "chain":
+            size = self.cfg.depth + 1
+        else:
+            size = self.cfg.total_tokens
+        return size if self.lookup is None else max(size, self.lookup.max_tree_size)
 
     def _max_draft_slots(self) -> int:
         if self.static is not None:
@@ -154,12 +159,16 @@ class EagleDrafter:
         self._committed = 0
         self._pending.clear()
         self._plain_step = False
+        if self.lookup is not None:
+            self.lookup.reset(max_length)
 
     def resume(self, max_length: int, length: int) -> None:
         self._flush_pending()  # the kept prefix may include plain steps' positions
         self.cache.reserve(max_length + self._max_draft_slots())
         self.cache.truncate(length)
         self._committed = length
+        if self.lookup is not None:
+            self.lookup.resume(max_length, length)
 
     @torch.inference_mode()
     def _committed_features(self, target_out: TargetOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,16 +176,20 @@ class EagleDrafter:
         return self._features(target_out, rows)
 
     def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
+        if self.lookup is not None:
+            self.lookup.prefill(prompt, target_out, root)
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
         self._commit_entries(self._committed_features(target_out), nxt)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
-        if self._plain_step:  # nothing drafted: keep the head's input for the next drafted step
+        if self.lookup is not None:
+            self.lookup.observe(tree, verdict, target_out)
+        if self._plain_step:  # the head did not draft: keep its input for the next drafted step
             # the raw rows only: the head's input features are computed for all pending rows at once
             path = verdict.path
+            nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
             self._pending.append((TargetOutput(None, target_out.features[path],
-                                               {i: h[path] for i, h in target_out.hidden_states.items()}),
-                                  verdict.bonus.view(1)))
+                                               {i: h[path] for i, h in target_out.hidden_states.items()}), nxt))
             return
         if self.cost_policy is not None and tree.size > 1:
             accepted = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
@@ -220,6 +233,9 @@ class EagleDrafter:
         if self._plain_step:
             if too_deep and self.cost_policy is not None:
                 self.cost_policy.drafting, self.cost_policy.levels = False, 0
+            drafts = self.lookup.continuation()[:max(self._room, 0)] if self.lookup is not None else []
+            if drafts:  # free drafts: what followed the context's ending earlier on
+                return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64), torch.zeros(len(drafts)))
             return DraftTree.root_only(root)
         self._flush_pending()
         self._committed = self.cache.length

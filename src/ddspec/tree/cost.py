@@ -203,8 +203,9 @@ class LearnedCosts:
         self.steps += 1
         self.gap_ms, self.gap_seen = self._mean(self.gap_ms, self.gap_seen, max(gap_ms, 0.0))
         if not drafted:
-            self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
-            self.current = self._rebuild()
+            if tree_size == 1:  # a plain step that verified a free (lookup) chain costs more: not this
+                self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
+                self.current = self._rebuild()
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
         calibrated = self.base.verify(torch.tensor([tree_size])).item() + self.base.other_ms
@@ -232,6 +233,7 @@ class CostAwarePolicy:
     explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
     min_drafted = 8  # drafted steps before the policy may prefer plain steps
     forecast_decay = 0.5  # the drafted rate follows the newest forecasts (made with the newest knowledge)
+    plain_decay = 0.9  # the plain steps' measured rate: realised tokens are noisier than forecasts
 
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, max_depth: int, max_tokens: int,
                  child_logprob: float = -0.7, persist=None, drift_limit: float = math.log(1.5),
@@ -248,6 +250,7 @@ class CostAwarePolicy:
         # expected rate of drafted steps (the forecasts, with the costs and acceptance learned so
         # far): decayed sums of forecast tokens and ms, and the count of drafted steps
         self._draft_tokens = self._draft_ms = self._drafted = 0.0
+        self._plain_tokens = self._plain_ms_sum = self._plain_steps = 0.0  # measured, of plain steps
         self._since_plain = self._since_draft = 0
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
@@ -282,6 +285,11 @@ class CostAwarePolicy:
 
     # -- drafting or a plain step ---------------------------------------------------------------
     def plain_rate(self) -> float:
+        """Tokens per ms of the steps that leave the head out: measured (decayed sums of their tokens
+        and times, lookup chains included) once there are ``min_drafted`` of them, else one token
+        per plain step's cost."""
+        if self._plain_steps >= self.min_drafted and self._plain_ms_sum > 0:
+            return self._plain_tokens / self._plain_ms_sum
         return 1.0 / (self.costs.plain_ms + self.costs.gap_ms)
 
     def draft_rate(self) -> float | None:
@@ -363,6 +371,10 @@ class CostAwarePolicy:
             self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
         else:
+            d = self.plain_decay
+            self._plain_tokens = self._plain_tokens * d + tokens
+            self._plain_ms_sum = self._plain_ms_sum * d + verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
+            self._plain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift() > self.drift_limit):
