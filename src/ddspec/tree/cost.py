@@ -134,7 +134,7 @@ class LearnedCosts:
         self.plain_ms, self.gap_ms = base.verify_ms[self.sizes[0]], 0.0
         self.plain_seen = self.gap_seen = 0.0
         self.steps = 0
-        self.current = self._rebuild()
+        self._current: CostModel | None = None  # rebuilt when next read after an observation
 
     # -- estimates ------------------------------------------------------------------------
     def _ratios(self) -> list[float]:
@@ -205,7 +205,7 @@ class LearnedCosts:
         if not drafted:
             if tree_size == 1:  # a plain step that verified a free (lookup) chain costs more: not this
                 self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
-                self.current = self._rebuild()
+            self._current = None
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
         calibrated = self.base.verify(torch.tensor([tree_size])).item() + self.base.other_ms
@@ -218,7 +218,14 @@ class LearnedCosts:
         else:
             per_level = max((draft_ms - self.root_ms) / (levels - 1), 0.01)
             self.level_ms, self.level_seen = self._draft_mean("level", self.level_ms, self.level_seen, per_level)
-        self.current = self._rebuild()
+        self._current = None
+
+    @property
+    def current(self) -> CostModel:
+        """The costs as learned so far (calibration corrected by the observed steps)."""
+        if self._current is None:
+            self._current = self._rebuild()
+        return self._current
 
 
 class CostAwarePolicy:
