@@ -1,13 +1,16 @@
-/* ddspec's CPU kernels: small-row matmuls on GGUF-quantised or fp32 weights, and one whole
- * Llama decoder layer in a single call.
+/* ddspec's CPU kernels: small-row matmuls on GGUF-quantised or dense weights, and whole Llama
+ * decoder layers in a single call.
  *
  * Why: on a 2-core CPU a target forward over 1-16 tokens is dominated by two things torch
  * cannot fix from Python: reading 4-byte weights that the model ships as 4.5-bit GGUF blocks,
  * and ~40 small ops per layer, each paying dispatch and thread wake-up. Here a layer is one
- * call with one OpenMP region, and a Q4_1 / Q8_0 weight is read in its GGUF blocks and turned
- * into exactly the fp32 values the dequantised checkpoint holds (gguf-py's formulas:
- * Q4_1 w = fl(fl(d*q) + m), Q8_0 w = fl(q*d), no fused multiply-add), so the maths is the
- * fp32 model's; only the order of the sums differs from torch's kernels.
+ * OpenMP region and a forward's layers are one call. A Q4_1 / Q8_0 weight is read in its GGUF
+ * blocks: per block of 32 inputs the kernel sums x*q over the integer levels and applies the
+ * block's scale and minimum once (d * sum(x*q) + m * sum(x)), which is the product with the
+ * dequantised weights (gguf-py's w = d*q + m) rearranged: it agrees with the fp32 model's
+ * matmul to about an ulp per block, and a one-hot row still reads back gguf-py's exact fp32
+ * weight. Dense weights (fp32, or fp16 / bf16 holding fp32 values exactly) are multiplied
+ * weight by weight.
  *
  * Every matmul output is computed by one thread, in an order that depends neither on the
  * number of rows in the call nor on the thread count: row r of a 16-row matmul equals the

@@ -257,7 +257,9 @@ class CostAwarePolicy:
         # expected rate of drafted steps (the forecasts, with the costs and acceptance learned so
         # far): decayed sums of forecast tokens and ms, and the count of drafted steps
         self._draft_tokens = self._draft_ms = self._drafted = 0.0
-        self._plain_tokens = self._plain_ms_sum = self._plain_steps = 0.0  # measured, of plain steps
+        # measured, of plain steps (lookup chains included): decayed sums of tokens, ms and steps
+        self._plain_tokens = self._plain_ms_sum = self._plain_weight = 0.0
+        self._plain_steps = 0
         self._since_plain = self._since_draft = 0
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
@@ -329,7 +331,10 @@ class CostAwarePolicy:
         self.drafting = choice
         if not choice:
             self.levels = 0
-            self.prediction = (1.0, self.costs.plain_ms + self.costs.gap_ms)
+            if self._plain_weight > 0:  # what recent plain steps (with their lookup chains) took
+                self.prediction = (self._plain_tokens / self._plain_weight, self._plain_ms_sum / self._plain_weight)
+            else:
+                self.prediction = (1.0, self.costs.plain_ms + self.costs.gap_ms)
         return choice
 
     # -- the DepthPolicy protocol -------------------------------------------------------------
@@ -381,6 +386,7 @@ class CostAwarePolicy:
             d = self.plain_decay
             self._plain_tokens = self._plain_tokens * d + tokens
             self._plain_ms_sum = self._plain_ms_sum * d + verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
+            self._plain_weight = self._plain_weight * d + 1.0
             self._plain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
         if (self.persist is not None and self.costs.steps >= self.min_steps
