@@ -194,11 +194,11 @@ def test_ddspec_method_calibrates_once_and_stays_lossless(tiny_targets, tmp_path
     assert float(drafter.cost_policy.acceptance.seen.sum()) > 0  # it learned from the verdicts
 
 
-def test_auto_method_is_ddspec_with_a_head_and_vanilla_without(tiny_targets, default_native):
+def test_auto_method_is_ddspec_with_a_head_and_lookup_without(tiny_targets, default_native):
     from ddspec.methods import default_method
 
     tiny = tiny_targets[("llama", "native")]
-    assert default_method(tiny, None) == "vanilla"  # no head ships for a tiny random model
+    assert default_method(tiny, None) == "lookup"  # no head ships for a tiny random model
     assert default_method(tiny, "random") == "ddspec"
     assert default_method(default_native, None) == "ddspec"  # the shipped SmolLM2 head
 

@@ -67,8 +67,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="vanilla = plain decoding; chain = one draft token per level; eagle = static "
                         "tree (EAGLE-1); eagle2 = dynamic tree (EAGLE-2); ddd = dynamic tree with "
                         "Dynamic Depth Decoding; ddspec = dynamic tree sized by this machine's measured costs "
-                        "(calibrated on first use, then cached). auto (default): ddspec when a draft head "
-                        "is given or ships for the model (the fastest in our benchmarks), else vanilla")
+                        "(calibrated on first use, then cached); lookup = prompt lookup (drafts copied from "
+                        "earlier in the context, no head). auto (default): ddspec when a draft head is "
+                        "given or ships for the model, else lookup")
 
 
 def add_tree_args(p: argparse.ArgumentParser):
