@@ -137,6 +137,10 @@ def test_plain_steps_when_drafting_does_not_pay():
             policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
     assert sum(choices[-200:]) <= 200 / policy.explore_close + 2  # plain steps, but for exploration
     assert any(choices[-200:])  # exploration continues
+    first_plain = choices.index(False)
+    tries = [i for i, c in enumerate(choices) if c and i > first_plain]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]  # each try that confirms plain steps waits longer
 
 
 class FakeClock:

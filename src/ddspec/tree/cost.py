@@ -238,6 +238,7 @@ class CostAwarePolicy:
     """
 
     explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
+    max_backoff = 8  # drafting tried and still worse: the wait before the next try doubles, up to 8x
     min_drafted = 8  # drafted steps before the policy may prefer plain steps
     forecast_decay = 0.5  # the drafted rate follows the newest forecasts (made with the newest knowledge)
     plain_decay = 0.9  # the plain steps' measured rate: realised tokens are noisier than forecasts
@@ -261,6 +262,7 @@ class CostAwarePolicy:
         self._plain_tokens = self._plain_ms_sum = self._plain_weight = 0.0
         self._plain_steps = 0
         self._since_plain = self._since_draft = 0
+        self._backoff = 1  # multiplies the wait before drafting is tried again (see draft_now)
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
 
@@ -313,7 +315,9 @@ class CostAwarePolicy:
         """Draft this step, or verify the root alone without touching the head (plain decoding's
         cost)? Whichever has the higher expected rate (costs and acceptance as learned so far); the
         other is tried every ``explore_close`` steps when the two are within 25%, every
-        ``explore_far`` otherwise, so neither estimate goes stale."""
+        ``explore_far`` otherwise, so neither estimate goes stale. A drafted try costs a catch-up
+        of the head and a tree (about two plain steps): while drafting stays the worse choice
+        after each try, the wait before the next one doubles (up to ``max_backoff`` times)."""
         drafted = self.draft_rate()
         explore = False
         if drafted is None:
@@ -323,7 +327,11 @@ class CostAwarePolicy:
             ratio = drafted / plain
             every = self.explore_close if 0.8 <= ratio <= 1.25 else self.explore_far
             choice = ratio >= 1.0
-            if choice and self._since_plain >= every or not choice and self._since_draft >= every:
+            if choice:
+                self._backoff = 1
+            if choice and self._since_plain >= every or not choice and self._since_draft >= every * self._backoff:
+                if not choice:
+                    self._backoff = min(2 * self._backoff, self.max_backoff)
                 choice, explore = not choice, True
         # a drafted step now and then verifies the next calibrated size above the best one, so
         # that costs believed too high for bigger trees get measured (and corrected) too
