@@ -95,6 +95,8 @@ class EagleDrafter:
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
         self.cost_policy = cost_policy  # kept across steps: it learns acceptance online
         self.lookup = lookup
+        if lookup is not None and lookup.max_position is None:  # its chains must stay in the window too
+            lookup.max_position = target.info.max_position
         self.cache = None
         self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
         self.last_policy = None
@@ -233,9 +235,8 @@ class EagleDrafter:
         if self._plain_step:
             if too_deep and self.cost_policy is not None:
                 self.cost_policy.drafting, self.cost_policy.levels = False, 0
-            drafts = self.lookup.continuation()[:max(self._room, 0)] if self.lookup is not None else []
-            if drafts:  # free drafts: what followed the context's ending earlier on
-                return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64), torch.zeros(len(drafts)))
+            if self.lookup is not None:  # free drafts: what followed the context's ending earlier on
+                return self.lookup.propose(root, position)
             return DraftTree.root_only(root)
         self._flush_pending()
         self._committed = self.cache.length

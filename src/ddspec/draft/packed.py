@@ -62,7 +62,8 @@ class PackedHead:
         self.fuse_layers = head.fuse_layers  # a fused head's f_t + fuse(...) on the same kernels
         self.fuse = Weight(state["fuse.weight"], needed, blocks and blocks["fuse.weight"]) if self.fuse_layers else None
         self.layers = [LlamaLayer(state, f"layers.{i}.", self.arch, self.plan, None, blocks) for i in range(n_layers)]
-        self._array = None  # the layers' C structs, built on the first native call
+        native = self.layers and self.layers[0].fused is not None
+        self._array = native_lib.layer_array([layer.fused for layer in self.layers]) if native else None  # C structs
 
     @torch.inference_mode()
     def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +92,6 @@ class PackedHead:
             x = x + self.fc_bias
         if kernel == "native":  # each layer one C call (the head's layers are Llama layers)
             flat = None if mask is None else mask.reshape(n, -1)
-            if self._array is None:
-                self._array = native_lib.layer_array([layer.fused for layer in self.layers])
             x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, flat, array=self._array)
             cache.advance(n)
             return x.view(1, n, -1)

@@ -303,7 +303,12 @@ class NativeLlama:
         self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
         self.rotary = Rotary(self.arch, self.device, dtype)
         self.cache: StaticKVCache | None = None
-        self._layer_array = None  # the layers' C structs in one array, built on the first native forward
+        # the layers' C structs in one array (for dd_layers_forward), when the native kernel runs them
+        self._layer_array = None
+        if self.layers and self.layers[0].fused is not None:
+            from ddspec.native import layer_array
+
+            self._layer_array = layer_array([layer.fused for layer in self.layers])
 
     def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -407,10 +412,6 @@ class NativeLlama:
         x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
         hidden: dict[int, torch.Tensor] = {}
         if self.layer_plan.kernel(n) == "native":
-            if self._layer_array is None:
-                from ddspec.native import layer_array
-
-                self._layer_array = layer_array([layer.fused for layer in self.layers])
             x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers, hidden,
                                       array=self._layer_array)
             cache.advance(n)
