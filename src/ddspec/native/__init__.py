@@ -9,7 +9,8 @@ torch already loaded (libgomp), so both share one thread pool.
 :class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 /
 bf16 when those hold it exactly), or the GGUF
 blocks of a Q4_1 / Q8_0 weight (models/gguf_blocks.py). :func:`layer_struct` describes a
-whole decoder layer for ``dd_layer_forward``.
+whole decoder layer; :func:`layer_array` and :func:`layers_forward` run consecutive layers in one
+``dd_layers_forward`` call.
 """
 
 from __future__ import annotations
@@ -107,10 +108,6 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.dd_gemm.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.dd_gemm.restype = ctypes.c_int
-    lib.dd_layer_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.dd_layer_forward.restype = ctypes.c_int
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -250,19 +247,6 @@ def layer_struct(arch, in_norm, post_norm, qkv: NativeWeight, o: NativeWeight, g
                  down: NativeWeight) -> _Layer:
     return _Layer(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, down.in_features,
                   arch.rms_eps, _ptr(in_norm), _ptr(post_norm), qkv.struct, o.struct, gate_up.struct, down.struct)
-
-
-def layer_forward(layer: _Layer, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor | None) -> None:
-    """Run one decoder layer in place on x [n, H] (contiguous fp32). keys/values: this layer's
-    cache [Hkv, Tmax, D] (contiguous); mask [n, start + n] bool or None (attend to all)."""
-    n = x.shape[0]
-    rc = library().dd_layer_forward(
-        ctypes.byref(layer), x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        keys.data_ptr(), values.data_ptr(), keys.shape[1], start,
-        None if mask is None else mask.data_ptr(), torch.get_num_threads())
-    if rc:
-        raise ValueError(f"dd_layer_forward refused its sizes (n={n}, start={start}, cache {list(keys.shape)})")
 
 
 def layer_array(layers: list[_Layer]):
