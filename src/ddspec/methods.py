@@ -149,8 +149,8 @@ def default_method(target, head_spec: str | None) -> str:
     tree found by `ddspec tune`, and far ahead of EAGLE-2 and DDD with the paper's 60-token trees,
     which a CPU cannot verify cheaply. It measures this machine's costs on first use (cached).
     Without a head, lookup: lossless like every method, its drafts cost a dict lookup and a step
-    without a match is a plain step (`ddspec bench` of 2026-12-01, AMD EPYC: 1.15x plain decoding
-    over 60 first turns; 1.08-1.22x by file).
+    without a match is a plain step (`ddspec bench` of 2026-12-01 19:44, AMD EPYC: 1.16x plain
+    decoding over 60 first turns; 1.08-1.23x by file).
     """
     if head_spec is not None or shipped_head(target.info.name) is not None:
         return "ddspec"
