@@ -412,8 +412,10 @@ def test_train_export_format_eagle3_round_trip_and_refusals(deep, tmp_path, caps
     assert isinstance(back, Eagle3Head)
     for name, value in head.state_dict().items():
         assert torch.equal(back.state_dict()[name], value), name
+    assert main(base + ["--to", str(tmp_path / "own")]) == 0  # no --format: the head's own layout
+    assert isinstance(load_head(tmp_path / "own", target.info), Eagle3Head)
     capsys.readouterr()
-    assert main(base + ["--to", str(tmp_path / "e12")]) == 2
+    assert main(base + ["--format", "eagle", "--to", str(tmp_path / "e12")]) == 2
     assert "--format eagle3" in capsys.readouterr().err
     run2 = tmp_path / "run2"
     save_head(random_head(target.hf_config), run2 / "head")

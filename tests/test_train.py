@@ -42,6 +42,50 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
 
 
+def test_tiny_eagle3_pipeline_end_to_end(tmp_path, capsys):
+    """`--arch eagle3`: the data keep the captured states, the head trains on its own outputs, loads as an
+    EAGLE-3 head, drafts losslessly, and exports in the published layout; a rerun resumes."""
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.draft.eagle3 import Eagle3Head
+
+    out = tmp_path / "run"
+    base = ["--tiny", "--out", str(out), "--threads", "1", "--arch", "eagle3"]
+    assert main(["train", "all", *base, "--ttt-passes", "2"]) == 0
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert manifest["settings"]["capture_layers"] == [1, 1, 1]
+    seq = torch.load(out / "data" / "shard-00000.pt", weights_only=True)[0]
+    assert seq["states"].shape == (seq["features"].shape[0], 3 * seq["features"].shape[1])
+    stages = json.loads((out / "stages.json").read_text())
+    assert stages["fit"]["acc"] > 0.1 and "acc2" in stages["fit"] and "v_loss" not in stages["fit"]
+    r = json.loads((out / "eval.json").read_text())["head"]["tiny"]
+    assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    from ddspec.models.loading import load_target
+
+    target = load_target(str(out / "tiny_model"), impl="native")
+    head = load_head(out / "export", target.info)
+    assert isinstance(head, Eagle3Head) and head.hidden_layers == (1, 1, 1)
+    # the head starts from the target's own output map: its lm_head rows are the target's
+    ids = head.draft_token_ids
+    assert torch.allclose(head.lm_head.weight.float(), target.lm_head_weight_t()[:, ids].t().half().float())
+    state = torch.load(out / "train_state.pt", weights_only=False)
+    capsys.readouterr()
+    assert main(["train", "fit", *base, "--ttt-passes", "2"]) == 0
+    assert "resuming from step" in capsys.readouterr().err
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
+    # EAGLE-1/2 data has no captured states: an EAGLE-3 fit on it is refused with the fix
+    plain = tmp_path / "plain"
+    assert main(["train", "data", "--tiny", "--out", str(plain), "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "fit", "--tiny", "--out", str(plain), "--threads", "1", "--arch", "eagle3"]) == 2
+    err = capsys.readouterr().err
+    assert "--arch eagle3" in err and "Traceback" not in err
+    # and data made for one kind of head is not extended for the other
+    assert main(["train", "data", "--tiny", "--out", str(plain), "--threads", "1", "--arch", "eagle3"]) == 2
+    assert "without layer states" in capsys.readouterr().err
+
+
 def test_export_from_an_unfinished_run(tmp_path, capsys):
     import shutil
 
@@ -118,20 +162,30 @@ def test_balanced_mix_caps_and_interleaves():
     assert 3 <= sum(r.source == "roleplay" for r in first_half) <= 7  # interleaved, not appended
 
 
-def test_generated_features_match_a_full_forward(tiny_targets):
+@pytest.mark.parametrize("rows,prefill_tokens", [(2, 4096), (4, 6)])
+def test_generated_features_match_a_full_forward(tiny_targets, monkeypatch, rows, prefill_tokens):
+    from ddspec.train import generate
     from ddspec.train.generate import check_features_match, generate_batch
 
     target = tiny_targets[("llama", "native")]
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20], [30, 31], [40, 41, 42, 43, 44, 45], [50, 51, 52, 53]]
-    # 2 rows for 6 prompts: rows are refilled; capacity 2 * (6 + 12) slots: the cache shifts
-    results = generate_batch(target, prompts, 12, rows=2, max_prompt=6)
+    # 2 rows for 6 prompts: rows are refilled; capacity 2 * (6 + 12) slots: the cache shifts.
+    # 4 rows with at most 6 padded prompt tokens per prefill: new prompts prefill in several groups
+    monkeypatch.setattr(generate, "PREFILL_TOKENS", prefill_tokens)
+    results = generate_batch(target, prompts, 12, rows=rows, max_prompt=6, capture=(0, 1))
     from ddspec.config import StopConfig
     from ddspec.engine import Engine
 
-    for p, (resp, feats) in zip(prompts, results):
+    for p, (resp, feats, states) in zip(prompts, results):
         ref = Engine(target).generate(p, StopConfig(max_new_tokens=12)).token_ids
         assert resp == ref  # batched, left-padded greedy == single-sequence greedy
         assert check_features_match(target, feats, torch.tensor(p + resp)) < 1e-4
+        # the captured inputs of layers 0 and 1 (fp16) are the full forward's, in that order
+        seq = torch.tensor([p + resp])
+        full = target.hidden_batch(seq, None, (0, 1))
+        want = torch.cat([full[0][0], full[1][0]], dim=-1)[: len(p) + len(resp) - 1]
+        assert states.dtype == torch.float16 and states.shape == want.shape
+        assert torch.allclose(states.float(), want, atol=2e-3, rtol=2e-3)
 
 
 def test_ttt_mask_pattern():
@@ -146,14 +200,19 @@ def test_ttt_mask_pattern():
     assert m.any(dim=1).all()  # no query row without a key
 
 
-@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("layers", [1, 2, "eagle3"])
 def test_training_time_test_passes_reproduce_the_engines_draft_nodes(layers):
     """Pass k of the training-time test computes exactly what drafting computes at depth k - 1."""
     from ddspec.draft.checkpoint import random_head
+    from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.models.tiny import tiny_config
     from ddspec.train.trainer import ttt_passes
 
-    head = random_head(tiny_config().to_dict(), seed=3, std=0.05, layers=layers).eval()
+    if layers == "eagle3":  # features stand for fc(captured states) at committed entries, h at drafted ones
+        torch.manual_seed(3)
+        head = Eagle3Head({**tiny_config().to_dict(), "draft_vocab_size": 32}, (1, 1, 1)).eval()
+    else:
+        head = random_head(tiny_config().to_dict(), seed=3, std=0.05, layers=layers).eval()
     t, h = 12, head.hidden_size
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (t + 1,))

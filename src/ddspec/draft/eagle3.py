@@ -40,6 +40,31 @@ from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
 
 
+def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Eagle3Head:
+    """An EAGLE-3 head to train for ``target`` (a NativeLlama): the draft vocabulary ``draft_ids``
+    (sorted target ids), its ``lm_head`` and ``norm`` copied from the target's (so the head starts
+    by reading its output the way the target reads its last residual stream), ``fc`` picking the
+    deepest captured state (the head's residual starts at the target's own), the rest random."""
+    from ddspec.draft.checkpoint import head_config_for
+
+    cfg = head_config_for(target.hf_config, layers=1)
+    cfg.pop("bias", None)
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(draft_ids.numel()),
+               target_hidden_size=target.arch.hidden_size)
+    head = Eagle3Head(cfg, capture_layers, max_position=target.arch.max_position)
+    h, n = head.hidden_size, len(capture_layers)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, (n - 1) * h:] = torch.eye(h)
+        head.lm_head.weight.copy_(target.lm_head_weight_t()[:, draft_ids].t())
+        head.norm.weight.copy_(target.norm)
+        head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    head.lm_head.weight.requires_grad_(False)  # trained against the target's own output map
+    return head
+
+
 def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
     """The target layers EAGLE-3 reads by default (HF ``hidden_states`` indices: inputs of layers)."""
     return (2, num_layers // 2, num_layers - 3)
@@ -140,11 +165,15 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,  # [N] or [B, N] the positions t
         mask: torch.Tensor | None = None,  # [B or 1, 1, N, T] bool; None = causal (no cache) / all (cache)
         cache: StaticKVCache | None = None,  # written at slots [length, length + N) when given
+        attend=None,  # training-time test: (layer, k, v) [B, nkv, N, D] -> the keys/values to attend over
     ) -> torch.Tensor:
         """The head's pre-norm output h: [B, N, H]."""
         a, layer = self.arch, self.midlayer
         attn, mlp = layer.self_attn, layer.mlp
-        if cache is None:
+        if attend is not None:
+            own = attend
+            attend = lambda k_, v_: own(0, k_, v_)  # noqa: E731  (the caller's keys and mask)
+        elif cache is None:
             n = embeds.shape[1]
             if mask is None:
                 mask = torch.ones(n, n, dtype=torch.bool, device=embeds.device).tril_().view(1, 1, n, n)

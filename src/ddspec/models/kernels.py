@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from ddspec.errors import ConfigError
 
 KERNELS = ("mm", "linear", "onednn", "native")
-BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # row counts measured; others use the bucket above
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 256)  # row counts measured; others use the bucket above
+LARGE = BUCKETS[-1]  # serves every count above 64 (prompts, batches): there a GEMM library often beats ours
 ONEDNN_HINT = 8
 
 
@@ -135,11 +136,14 @@ PRUNE = 4.0  # a kernel this many times slower than the best at some row count i
 def pick_fastest(timers: dict[str, object], reps: int, progress=None) -> KernelPlan:
     """The fastest kernel per bucket: ``timers[kernel](rows)`` runs one timed unit of work and
     returns its seconds; interleaved rounds, median of ``reps`` after one warm-up round. A kernel
-    more than PRUNE times slower than the best at some bucket is dropped for the larger ones
-    (small-row kernels only fall further behind as rows grow), which keeps the first run short."""
+    more than PRUNE times slower than the best at some bucket is dropped for the larger small-row
+    buckets, which keeps the first run short; every kernel is timed again at the LARGE bucket, where
+    blocked GEMM libraries overtake kernels written for a few rows."""
     alive = list(timers)
     chosen = []
     for b in BUCKETS:
+        if b == LARGE:
+            alive = list(timers)
         times: dict[str, list[float]] = {k: [] for k in alive}
         for r in range(reps + 1):
             for k in alive:
@@ -223,7 +227,7 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
         return KernelPlan.uniform(forced)
     if len(options) == 1:
         return KernelPlan.uniform(options[0])
-    key = {"format": 1, "name": name, "shapes": shapes, "cpu": cpu_name(), "torch": torch.__version__,
+    key = {"format": 2, "name": name, "shapes": shapes, "cpu": cpu_name(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "dtype": str(dtype), "candidates": list(options), "variant": variant}
     if "native" in options:
         from ddspec import native

@@ -8,6 +8,8 @@
     ddspec train export --out RUN --format eagle3 --to FOLDER   # an EAGLE-3 head in RUN/head, EAGLE-3 layout
     ddspec train all    --out runs/smollm2     # all of the above in order
     ddspec train all --tiny --out /tmp/t       # the whole pipeline on a tiny random model
+    ddspec train data --arch eagle3 --out runs/e3   # data for an EAGLE-3 head (keeps layers 2, L/2, L-3)
+    ddspec train fit  --arch eagle3 --out runs/e3 --draft-vocab 8192 --ttt-passes 3
 
 Each stage logs to OUT/<stage>.log, shows a progress bar, records its wall time in
 OUT/stages.json, and resumes where it stopped when run again with the same OUT.
@@ -38,6 +40,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", default=default_prompts(),
                    help="training prompts JSONL (question_id/id, category, turns); default: "
                         "../shared/data/train/prompts.jsonl. Never the evaluation files.")
+    p.add_argument("--arch", default="eagle", choices=("eagle", "eagle3"),
+                   help="eagle = an EAGLE-1/2 head (default); eagle3 = an EAGLE-3 head in the published layout: "
+                        "one layer reading the target's residual streams at the inputs of layers 2, L/2 and L-3 "
+                        "(kept by the data stage), its own draft vocabulary, trained on its own outputs "
+                        "(--ttt-passes) against the target's distribution")
     g = p.add_argument_group("data")
     g.add_argument("--response-tokens", type=int, default=600_000,
                    help="stop generating once this many response tokens exist (default 600000)")
@@ -99,9 +106,9 @@ def add_parser(sub) -> None:
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
     g.add_argument("--to", default=None, help="export: the head folder to write")
-    g.add_argument("--format", default="eagle", choices=("eagle", "eagle3"),
-                   help="export: eagle = the EAGLE-1/2 layout (default); eagle3 = the published EAGLE-3 layout "
-                        "(config and keys vLLM and SGLang read), for an EAGLE-3 head in OUT/head")
+    g.add_argument("--format", default=None, choices=("eagle", "eagle3"),
+                   help="export: eagle = the EAGLE-1/2 layout; eagle3 = the published EAGLE-3 layout (config and "
+                        "keys vLLM and SGLang read), for an EAGLE-3 head. Default: the head's own layout")
     add_model_args(p)
     p.set_defaults(handler=run)
 

@@ -49,14 +49,23 @@ class GenerationSettings:
     max_new_tokens: int = 256
     batch_size: int = 32  # rows decoded together
     shard_prompts: int = 256
+    capture_layers: tuple[int, ...] = ()  # also keep the residual streams entering these layers (EAGLE-3)
 
 
-def _layers_forward(target: NativeLlama, x: torch.Tensor, positions: torch.Tensor, attend, mask: torch.Tensor
-                    ) -> torch.Tensor:
-    """All decoder layers + final norm; ``attend(layer)`` gives the layer's cache writer."""
+PREFILL_TOKENS = 4096  # padded prompt tokens run together at most
+
+
+def _layers_forward(target: NativeLlama, x: torch.Tensor, positions: torch.Tensor, attend, mask: torch.Tensor,
+                    capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All decoder layers + final norm; ``attend(layer)`` gives the layer's cache writer.
+    Returns the features and, with ``capture``, the residual streams entering those layers (HF
+    ``hidden_states`` indices) concatenated in that order: [..., len(capture) * H], else None."""
+    states: dict[int, torch.Tensor] = {}
     for li, layer in enumerate(target.layers):
+        if li in capture:
+            states[li] = x
         x = layer_forward(layer, x, target.arch, target.rotary, positions, attend(li), mask)
-    return target.final_norm(x)
+    return target.final_norm(x), (torch.cat([states[i] for i in capture], dim=-1) if capture else None)
 
 
 class ContinuousBatcher:
@@ -70,9 +79,9 @@ class ContinuousBatcher:
     """
 
     def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = ()) -> None:
         a = target.arch
-        self.temperature = temperature
+        self.temperature, self.capture = temperature, tuple(capture)
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.target, self.rows, self.max_prompt, self.max_new = target, rows, max_prompt, max_new
         self.capacity = 2 * (max_prompt + max_new)
@@ -83,7 +92,29 @@ class ContinuousBatcher:
         self.s = max_prompt  # the next write slot; >= any prompt length, so prompts fit before it
         self.eos = torch.tensor(sorted(target.info.eos_token_ids), device=target.device)
 
-    def _prefill(self, prompts: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _prefill(self, prompts: list[list[int]], rows: list[int]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
+        """Run new prompts, place their KV in ``rows`` ending at slot s. Prompts of similar length
+        run together (left-padded), at most PREFILL_TOKENS padded tokens at a time, so one long
+        prompt does not pad every short one to its length."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        first = torch.zeros(len(prompts), dtype=torch.long, device=self.target.device)
+        feats: list = [None] * len(prompts)
+        states: list = [None] * len(prompts)
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and len(prompts[order[end]]) * (end - start + 1) <= PREFILL_TOKENS:
+                end += 1
+            group = order[start:end]
+            f, fs, ss = self._prefill_group([prompts[i] for i in group], [rows[i] for i in group])
+            for j, i in enumerate(group):
+                first[i], feats[i], states[i] = f[j], fs[j], ss[j]
+            start = end
+        return first, feats, states
+
+    def _prefill_group(self, prompts: list[list[int]], rows: list[int]
+                       ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
         """Run new prompts (left-padded), place their KV in ``rows`` ending at slot s."""
         t, dev = self.target, self.target.device
         p = max(len(x) for x in prompts)
@@ -103,14 +134,15 @@ class ContinuousBatcher:
                 return k, v
             return store
 
-        h = _layers_forward(t, t.embed(tokens), positions, attend, mask)  # [B, P, H]
+        h, st = _layers_forward(t, t.embed(tokens), positions, attend, mask, self.capture)  # [B, P, H]
         r = torch.tensor(rows, device=dev)
         for li, (k, v) in enumerate(kv):
             self.keys[li, r, :, self.s - p : self.s] = k
             self.values[li, r, :, self.s - p : self.s] = v
         self.start[r] = self.s - p + pad
         first = self._pick(t.lm_head(h[:, -1]))  # [B]
-        return first, [h[i, pad[i]:].float() for i in range(len(prompts))]
+        return (first, [h[i, pad[i]:].float() for i in range(len(prompts))],
+                [None if st is None else st[i, pad[i]:].half() for i in range(len(prompts))])
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
@@ -128,12 +160,13 @@ class ContinuousBatcher:
         self.start -= shift
         self.s = n
 
-    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One token for every row at slot s; returns features [R, H]."""
+    def _step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token for every row at slot s; returns features [R, H] and captured states [R, n * H]."""
         t, dev, s = self.target, self.target.device, self.s
         lo = int(self.start[self.live].min())
         slots = torch.arange(lo, s + 1, device=dev)
-        mask = (slots.view(1, 1, 1, -1) >= self.start.view(-1, 1, 1, 1))  # [R, 1, 1, T]
+        keep = slots.view(1, 1, 1, -1) >= self.start.view(-1, 1, 1, 1)  # [R, 1, 1, T]
+        mask = torch.zeros(keep.shape, dtype=self.keys.dtype, device=dev).masked_fill_(~keep, float("-inf"))
         positions = (s - self.start).clamp(min=0).view(-1, 1)  # [R, 1]
 
         def attend(li):
@@ -143,33 +176,35 @@ class ContinuousBatcher:
                 return self.keys[li, :, :, lo : s + 1], self.values[li, :, :, lo : s + 1]
             return store
 
-        h = _layers_forward(t, t.embed(tokens.view(-1, 1)), positions, attend, mask)
+        h, st = _layers_forward(t, t.embed(tokens.view(-1, 1)), positions, attend, mask, self.capture)
         self.s += 1
-        return h[:, 0]
+        return h[:, 0], (None if st is None else st[:, 0])
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]]):
-        """Yield (prompt index, response ids, features [P + R - 1, H]) as answers finish."""
+        """Yield (prompt index, response ids, features [P + R - 1, H], captured states [P + R - 1,
+        n * H] fp16 or None) as answers finish."""
         queue = list(range(len(prompts)))[::-1]
         item = [-1] * self.rows  # prompt index per row, -1 = free
         out: dict[int, list[int]] = {}
         feats: dict[int, list[torch.Tensor]] = {}
+        states: dict[int, list[torch.Tensor]] = {}
         nxt = torch.zeros(self.rows, dtype=torch.long, device=self.target.device)
+        eos = set(self.eos.tolist())
         while True:
             free = [r for r in range(self.rows) if item[r] < 0]
             if free and queue:
                 take = [queue.pop() for _ in free[: len(queue)]]
                 rows = free[: len(take)]
-                first, prompt_feats = self._prefill([prompts[i] for i in take], rows)
-                for r, i, f0, pf in zip(rows, take, first.tolist(), prompt_feats):
-                    item[r], out[i], feats[i] = i, [f0], [pf]
+                first, prompt_feats, prompt_states = self._prefill([prompts[i] for i in take], rows)
+                for r, i, f0, pf, ps in zip(rows, take, first.tolist(), prompt_feats, prompt_states):
+                    item[r], out[i], feats[i], states[i] = i, [f0], [pf], [ps]
                     nxt[r] = f0
             self.live = torch.tensor([r for r in range(self.rows) if item[r] >= 0], dtype=torch.long)
-            finished = [r for r in self.live.tolist() if out[item[r]][-1] in self.eos.tolist()
-                        or len(out[item[r]]) >= self.max_new]
+            finished = [r for r in self.live.tolist() if out[item[r]][-1] in eos or len(out[item[r]]) >= self.max_new]
             for r in finished:
                 i = item[r]
-                yield i, out.pop(i), torch.cat(feats.pop(i))
+                yield i, out.pop(i), _rows(feats.pop(i)), (_rows(states.pop(i)) if self.capture else None)
                 item[r] = -1
             if finished:
                 continue  # refill before stepping
@@ -184,23 +219,34 @@ class ContinuousBatcher:
                 self.live = torch.arange(self.rows)
             if self.s >= self.capacity:
                 self._shift()
-            h = self._step(nxt)
+            h, st = self._step(nxt)
             nxt = self._pick(self.target.lm_head(h))
+            # per row: views of this step's tensors, stacked once the answer is done
+            toks, h_rows = nxt.tolist(), h.float().unbind(0)
+            st_rows = st.half().unbind(0) if st is not None else None
             for r in self.live.tolist():
-                out[item[r]].append(int(nxt[r]))
-                feats[item[r]].append(h[r : r + 1].float())
+                i = item[r]
+                out[i].append(toks[r])
+                feats[i].append(h_rows[r])
+                if st_rows is not None:
+                    states[i].append(st_rows[r])
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The prompt's [P, W] block followed by one [W] row per decoding step: [P + steps, W]."""
+    return torch.cat([parts[0], torch.stack(parts[1:])]) if len(parts) > 1 else parts[0]
 
 
 def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int, rows: int = 16,
-                   max_prompt: int | None = None, temperature: float = 0.0, seed: int = 0
-                   ) -> list[tuple[list[int], torch.Tensor]]:
-    """Answers to all ``prompts`` (greedy, or sampled at ``temperature`` > 0):
-    (response ids, features of prompt + response[:-1])."""
+                   max_prompt: int | None = None, temperature: float = 0.0, seed: int = 0,
+                   capture: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+    """Answers to all ``prompts`` (greedy, or sampled at ``temperature`` > 0): (response ids,
+    features of prompt + response[:-1], the ``capture`` layers' input states there or None)."""
     batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new,
-                                temperature=temperature, seed=seed)
-    results: dict[int, tuple[list[int], torch.Tensor]] = {}
-    for i, ids, f in batcher.run(prompts):
-        results[i] = (ids, f)
+                                temperature=temperature, seed=seed, capture=capture)
+    results: dict[int, tuple[list[int], torch.Tensor, torch.Tensor | None]] = {}
+    for i, ids, f, st in batcher.run(prompts):
+        results[i] = (ids, f, st)
     return [results[i] for i in range(len(prompts))]
 
 
@@ -273,6 +319,11 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
     if not isinstance(target, NativeLlama):
         raise DdspecError("training data generation needs the native implementation (--impl native)")
     writer = ShardWriter(out_dir, target_fingerprint(target), asdict(settings) | {"token_budget": token_budget})
+    kept = list(writer.manifest["settings"].get("capture_layers", []))
+    if kept != list(settings.capture_layers):
+        raise DdspecError(f"{out_dir} holds data {'with the states of layers ' + str(kept) if kept else 'without layer states'}, "
+                          f"not {'layers ' + str(list(settings.capture_layers)) if settings.capture_layers else 'without'}: "
+                          "use another --out folder, or the same --arch as the run that made it")
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
     every = writer.manifest["shards"]
     done = {k: e for k, e in every.items() if e.get("pass", 0) == pass_id}
@@ -288,11 +339,14 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
         sequences, n_resp = [], 0
         results = generate_batch(target, [ids for _, ids in shard], settings.max_new_tokens,
                                  rows=settings.batch_size, max_prompt=settings.max_prompt_tokens,
-                                 temperature=temperature if pass_id else 0.0, seed=1_000_003 * pass_id + index)
-        for (pid, ids), (resp, feats) in zip(shard, results):
+                                 temperature=temperature if pass_id else 0.0, seed=1_000_003 * pass_id + index,
+                                 capture=settings.capture_layers)
+        for (pid, ids), (resp, feats, states) in zip(shard, results):
             seq = ids + resp
             sequences.append({"id": f"{pid}#s{pass_id}" if pass_id else pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
                               "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
+            if states is not None:
+                sequences[-1]["states"] = states[: len(seq) - 1]
             n_resp += len(resp)
         if progress:
             progress.update(n_resp)

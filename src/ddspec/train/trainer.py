@@ -17,6 +17,12 @@ that reproduces the engine's exactly: the node sees the true-feature entries com
 its chain and its own drafted ancestors (:func:`ttt_mask`). Pass k's loss is weighted
 ``ttt_decay ** (k - 1)``.
 
+EAGLE-3 heads (:class:`~ddspec.draft.eagle3.Eagle3Head`, ``--arch eagle3``): pass 1 reads
+``fc`` of the target states the data stage captured, later passes the head's own output ``h``;
+the loss is the cross-entropy of ``lm_head(norm(h))`` against the target's distribution over the
+draft vocabulary only (EAGLE-3's recipe, no feature regression, no input noise), weighted
+``ttt_decay ** (k - 1)`` per pass as above. The head's ``lm_head`` stays the target's rows.
+
 Held-out sequences (``val_sequences``, the last ones of the data, i.e. the newest shards, which
 a warm start from an earlier round has never seen) are scored every ``eval_every`` steps without
 noise; the head kept at the end is the one with the best held-out accuracy.
@@ -27,12 +33,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ddspec.draft.eagle3 import Eagle3Head
 from ddspec.draft.head import EagleHead
 
 
@@ -91,12 +99,14 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
     return torch.sort(torch.topk(counts, size).indices).values
 
 
-def ttt_passes(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor, n_passes: int) -> list[torch.Tensor]:
-    """Predicted features of passes 1..n_passes, each [B, T, H] (pass k+1 reads pass k's output)."""
+def ttt_passes(head: EagleHead | Eagle3Head, embeds: torch.Tensor, features: torch.Tensor, n_passes: int
+               ) -> list[torch.Tensor]:
+    """Predicted features (an EAGLE-3 head: its outputs h) of passes 1..n_passes, each [B, T, H]
+    (pass k+1 reads pass k's output)."""
     t = embeds.shape[1]
     positions = torch.arange(t, device=embeds.device)
-    keys: list[list[torch.Tensor]] = [[] for _ in head.layers]  # per head layer, per pass
-    values: list[list[torch.Tensor]] = [[] for _ in head.layers]
+    keys: dict[int, list[torch.Tensor]] = defaultdict(list)  # per head layer, per pass
+    values: dict[int, list[torch.Tensor]] = defaultdict(list)
 
     def attend(layer, k_, v_):
         keys[layer].append(k_)
@@ -128,12 +138,13 @@ def make_batches(sequences: list[dict], batch_tokens: int, max_len: int, rng: ra
     return batches
 
 
-def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bool = False):
+def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bool = False, extra: str = "layers"):
     """Pad a batch. Head step t reads (f_t, x_{t+1}) and predicts f_{t+1} (token t+2).
 
     Returns tokens_next [B, T], feats_in [B, T, H], feats_target [B, T, H], loss_mask [B, T]
-    with T = (longest sequence - 2), and layers_in [B, T, n * H] (the fused target layers at t) when
-    the sequences carry ``"layers"`` (see :mod:`ddspec.train.layers`), else None."""
+    with T = (longest sequence - 2), and layers_in [B, T, n * H] at t when the sequences carry
+    ``extra``: ``"layers"``, the fused target layers (see :mod:`ddspec.train.layers`), or
+    ``"states"``, an EAGLE-3 head's raw captured states (see :mod:`ddspec.train.generate`); else None."""
     lens = [min(len(sequences[i]["input_ids"]), max_len) for i in idx]
     t = max(lens) - 2
     h = sequences[idx[0]]["features"].shape[1]
@@ -142,7 +153,7 @@ def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bo
     feats_in = torch.zeros(b, t, h)
     feats_target = torch.zeros(b, t, h)
     mask = torch.zeros(b, t, dtype=torch.bool)
-    first = sequences[idx[0]].get("layers")
+    first = sequences[idx[0]].get(extra)
     layers_in = None if first is None else torch.zeros(b, t, first.shape[1])
     for row, (i, n) in enumerate(zip(idx, lens)):
         s = sequences[i]
@@ -152,7 +163,7 @@ def collate(sequences: list[dict], idx: list[int], max_len: int, prompt_loss: bo
         feats_in[row, :m] = f[:m]
         feats_target[row, :m] = f[1 : m + 1]
         if layers_in is not None:
-            layers_in[row, :m] = s["layers"][:m].float()
+            layers_in[row, :m] = s[extra][:m].float()
         # the step predicts token t+2: count it when that token is part of the response
         steps = torch.arange(m)
         mask[row, :m] = True if prompt_loss else steps + 2 >= s["prompt_len"]
@@ -171,7 +182,7 @@ class HeadTrainer:
         self.rng = random.Random(settings.seed)
         self.batches = make_batches(sequences, settings.batch_tokens, settings.max_seq_len, self.rng)
         self.total_steps = max(1, int(len(self.batches) * settings.epochs))
-        self.opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, betas=(0.9, 0.95),
+        self.opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr, betas=(0.9, 0.95),
                                      weight_decay=settings.weight_decay)
         self.step = 0
         self.wall_s = 0.0
@@ -190,7 +201,9 @@ class HeadTrainer:
 
     def save_state(self) -> None:
         tmp = self.state_path().with_suffix(".tmp")
-        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
+        torch.save({"head": self.head.state_dict(), "head_config": self.head.config,
+                    "capture_layers": list(getattr(self.head, "capture_layers", ())),
+                    "opt": self.opt.state_dict(), "step": self.step,
                     "wall_s": self.wall_s, "history": self.history, "settings": asdict(self.settings),
                     "torch_rng": torch.get_rng_state(), "best": self.best}, tmp)
         tmp.replace(self.state_path())
@@ -211,12 +224,19 @@ class HeadTrainer:
              n_passes: int | None = None) -> tuple[torch.Tensor, dict]:
         s = self.settings
         held_out = sequences is not None  # validation scores response tokens only
+        eagle3 = isinstance(self.head, Eagle3Head)
         tokens_next, feats_in, feats_target, mask, layers_in = collate(
-            sequences or self.sequences, batch, s.max_seq_len, s.prompt_loss and not held_out)
+            sequences or self.sequences, batch, s.max_seq_len, s.prompt_loss and not held_out,
+            extra="states" if eagle3 else "layers")
         t = feats_in.shape[1]
-        if noise:
-            feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
-        feats_in = self.head.fused_features(feats_in, layers_in)  # committed positions: + fused layers
+        if eagle3:  # committed positions read fc(captured states); no noise: the later passes are its own
+            if layers_in is None:
+                raise ValueError("an EAGLE-3 head trains on sequences with captured layer states (\"states\")")
+            feats_in = self.head.fc(layers_in)
+        else:
+            if noise:
+                feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
+            feats_in = self.head.fused_features(feats_in, layers_in)  # committed positions: + fused layers
         preds = ttt_passes(self.head, F.embedding(tokens_next, self.embed_weight), feats_in, n_passes or s.ttt_passes)  # k x [B, T, H]
         target = feats_target[mask]  # [M, H]
         with torch.no_grad():
@@ -227,15 +247,20 @@ class HeadTrainer:
         for k, pred in enumerate(preds, start=1):
             rows = index >= k - 1  # pass k has no chain before index k - 1
             pk = pred[mask][rows]
-            v_loss = F.smooth_l1_loss(pk, target[rows])
-            log_q = torch.log_softmax(pk @ self.lm_head_t, dim=-1)
-            p_loss = -(p[rows] * log_q).sum(-1).mean()
-            w = s.ttt_decay ** (k - 1)
-            total, weights = total + w * (v_loss + s.p_weight * p_loss), weights + w
-            acc = float((log_q.argmax(-1) == want[rows]).float().mean())
             suffix = "" if k == 1 else str(k)
-            stats.update({f"v_loss{suffix}": float(v_loss.detach()), f"p_loss{suffix}": float(p_loss.detach()),
-                          f"acc{suffix}": acc})
+            w = s.ttt_decay ** (k - 1)
+            if eagle3:  # EAGLE-3: only the draft distribution is learnt; h is free to be what helps
+                log_q = torch.log_softmax(self.head.lm_head(self.head.logits_input(pk)), dim=-1)
+                p_loss = -(p[rows] * log_q).sum(-1).mean()
+                total, weights = total + w * p_loss, weights + w
+            else:
+                v_loss = F.smooth_l1_loss(pk, target[rows])
+                log_q = torch.log_softmax(pk @ self.lm_head_t, dim=-1)
+                p_loss = -(p[rows] * log_q).sum(-1).mean()
+                total, weights = total + w * (v_loss + s.p_weight * p_loss), weights + w
+                stats[f"v_loss{suffix}"] = float(v_loss.detach())
+            acc = float((log_q.argmax(-1) == want[rows]).float().mean())
+            stats.update({f"p_loss{suffix}": float(p_loss.detach()), f"acc{suffix}": acc})
         return total / weights, stats
 
     @torch.no_grad()
@@ -279,7 +304,7 @@ class HeadTrainer:
             loss, stats = self.loss(batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in self.head.parameters() if p.requires_grad], self.settings.grad_clip)
             self.opt.step()
             self.step += 1
             self.wall_s += time.perf_counter() - t0
