@@ -54,3 +54,42 @@ def test_drafter_logprobs_use_the_draft_vocabulary(tiny_targets):
     hidden = torch.randn(3, target.info.hidden_size)
     want = torch.log_softmax(hidden @ target.lm_head_weight_t(), dim=-1)
     assert (drafter.logprobs(hidden) - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kernel", ["mm", "onednn", "native", "native-q8_0"])
+def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch):
+    """The EAGLE-3 drafting fast path against Eagle3Head.forward: exact weights to 1e-4, Q8_0 copies
+    within a few percent of the output's scale; fc of the captured states likewise."""
+    from ddspec import native
+    from ddspec.draft.eagle3 import Eagle3Head
+    from ddspec.draft.packed import PackedEagle3Head
+    from ddspec.models.base import TargetOutput
+
+    if kernel.startswith("native") and not native.available():
+        pytest.skip(native.unavailable_reason())
+    monkeypatch.setenv("DDSPEC_KERNEL", kernel.split("-")[0])
+    target = tiny_targets[("llama", "native")]
+    torch.manual_seed(1)
+    head = Eagle3Head({**target.hf_config, "draft_vocab_size": 32}, (1, 1, 1)).eval().requires_grad_(False)
+    for name, p in head.named_parameters():
+        if "norm" in name:
+            p.add_(0.1 * torch.randn_like(p))  # norms that matter
+    packed = PackedEagle3Head(head, "q8_0" if kernel.endswith("q8_0") else "exact")
+    tol = (lambda want: 0.03 * want.abs().max()) if kernel.endswith("q8_0") else (lambda want: 1e-4)
+    gen = torch.Generator().manual_seed(0)
+    h = target.info.hidden_size
+    caches = [head.new_cache(32), head.new_cache(32)]
+    for n, prefix in ((5, 0), (3, 5)):
+        embeds, feats = torch.randn(1, n, h, generator=gen), torch.randn(1, n, h, generator=gen)
+        positions = torch.arange(prefix, prefix + n)
+        mask = torch.ones(1, 1, n, prefix + n, dtype=torch.bool)
+        mask[0, 0, :, prefix:] = torch.ones(n, n, dtype=torch.bool).tril_()
+        with torch.inference_mode():
+            want = head(embeds, feats, positions, mask, caches[0])
+        got = packed(embeds, feats, positions, mask, caches[1])
+        assert (got - want).abs().max() <= tol(want)
+    assert caches[0].length == caches[1].length == 8
+    out = TargetOutput(None, None, {1: torch.randn(4, h, generator=gen)})
+    with torch.inference_mode():
+        want = head.committed_features(out, torch.tensor([0, 2]))
+    assert (packed.committed_features(out, torch.tensor([0, 2])) - want).abs().max() <= tol(want)

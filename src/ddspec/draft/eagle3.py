@@ -17,7 +17,8 @@ target's.
 
 The module's parameter names are the published keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t`` and ``t2d``), so ``state_dict()`` is the checkpoint layout.
-:meth:`Eagle3Head.forward` is written plainly and is the drafting path itself (no packed fast path).
+:meth:`Eagle3Head.forward` is written plainly: the reference that training runs and that the
+drafting fast path (:class:`~ddspec.draft.packed.PackedEagle3Head`, on a CPU) is tested against.
 
 The drafter (:class:`~ddspec.draft.eagle.EagleDrafter`) reaches both head kinds through the same
 small interface: ``hidden_layers``, ``committed_features``, ``drafting_forward``,
@@ -146,8 +147,14 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat(states, dim=-1).to(self.fc.weight.dtype))
 
     def drafting_forward(self):
-        """The callable the drafter runs for head entries (embeds, features, positions, mask, cache)."""
-        return self
+        """The callable the drafter runs for head entries (embeds, features, positions, mask, cache): the
+        kernel-planned copy of this head on a CPU in fp32, else this module."""
+        p = self.fc.weight
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            return self
+        from ddspec.draft.packed import PackedEagle3Head
+
+        return PackedEagle3Head(self)
 
     def draft_lm_head_weight(self, target, draft_ids: torch.Tensor | None) -> torch.Tensor:
         """The draft logits' weight [Vd, H]: the head's own lm_head."""

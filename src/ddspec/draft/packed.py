@@ -120,3 +120,65 @@ class DraftLMHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, Vd]."""
         return self.weight(hidden, self.plan.kernel(hidden.shape[0]))
+
+
+class PackedEagle3Head:
+    """An EAGLE-3 head's drafting forward (:meth:`Eagle3Head.forward` with a cache) on planned kernels.
+
+    The midlayer is not a Llama layer (its q/k/v read ``cat(input_layernorm(e), hidden_norm(g))``,
+    2H wide, while its residual is ``g``), so its four matmuls (q/k/v stacked, o, gate/up stacked,
+    down) run one by one on the kernel the plan picks, the small ops in torch between them; ``fc``
+    too, for committed positions. Q8_0 copies by default, as for :class:`PackedHead`."""
+
+    def __init__(self, head, weights: str | None = None) -> None:  # an Eagle3Head (eagle3.py builds this)
+        state = {k: v.detach() for k, v in head.state_dict().items()}
+        self.arch, self.rotary, self.capture_layers = head.arch, head.rotary(), head.capture_layers
+        p = "midlayer."
+        stacks = {"qkv": [f"{p}self_attn.{x}_proj.weight" for x in "qkv"], "o": [f"{p}self_attn.o_proj.weight"],
+                  "gate_up": [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+                  "down": [f"{p}mlp.down_proj.weight"], "fc": ["fc.weight"]}
+        mats = {k: torch.cat([state[n] for n in names]) for k, names in stacks.items()}
+        self.qkv_bias = (torch.cat([state[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
+                         if f"{p}self_attn.q_proj.bias" in state else None)
+        self.weights = weights or draft_weights()
+        quantise = self.weights == "q8_0" and native_lib.available() and all(m.shape[1] % 32 == 0 for m in mats.values())
+        blocks = {k: native_lib.NativeWeight.q8_0(m) for k, m in mats.items()} if quantise else {}
+        layer = ["qkv", "o", "gate_up", "down"]
+
+        def measure(options) -> KernelPlan:  # the midlayer's matmuls, as a draft level runs them
+            return measure_plan([[Weight(mats[k], set(options), blocks.get(k)) for k in layer]], options)
+
+        w = mats["qkv"]
+        self.plan = choose_plan("eagle3 midlayer", [list(mats[k].shape) for k in layer], w.device, w.dtype, measure,
+                                "q8_0" if quantise else "")
+        self.mats = {k: Weight(m, self.plan.needed, blocks.get(k)) for k, m in mats.items()}
+        self.norms = {k: state[f"{p}{k}.weight"] for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+
+    @torch.inference_mode()
+    def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`Eagle3Head.committed_features` with ``fc`` on the planned kernel."""
+        states = [target_out.hidden_states[i] for i in self.capture_layers]
+        x = torch.cat(states if rows is None else [s[rows] for s in states], dim=-1)
+        return self.mats["fc"](x, self.plan.kernel(x.shape[0]))
+
+    @torch.inference_mode()
+    def __call__(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
+        """The head's pre-norm output h: [1, N, H] (arguments as :meth:`Eagle3Head.forward`)."""
+        from ddspec.models.llama import attention, rms_norm
+
+        a, m, n = self.arch, self.mats, embeds.shape[1]
+        kernel = self.plan.kernel(n)
+        nq, nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        x = torch.cat([rms_norm(embeds, self.norms["input_layernorm"], a.rms_eps),
+                       rms_norm(features, self.norms["hidden_norm"], a.rms_eps)], dim=-1)
+        qkv = m["qkv"](x, kernel)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        h = features + m["o"](attention(q, k, v, a, self.rotary, positions, lambda k_, v_: cache.write(0, k_, v_), mask),
+                              kernel)
+        gate, up = m["gate_up"](rms_norm(h, self.norms["post_attention_layernorm"], a.rms_eps), kernel).chunk(2, dim=-1)
+        h = h + m["down"](torch.nn.functional.silu(gate) * up, kernel)
+        cache.advance(n)
+        return h

@@ -210,7 +210,8 @@ class ContinuousBatcher:
                 continue  # refill before stepping
             if not self.live.numel():
                 return
-            if not queue and self.live.numel() < self.rows:  # draining: stop computing free rows
+            if not queue and 2 * self.live.numel() <= self.rows:  # draining: stop computing free rows
+                # (once half of them are free: each compaction copies the whole cache)
                 keep = self.live
                 self.keys, self.values = self.keys[:, keep], self.values[:, keep]
                 self.start, nxt = self.start[keep], nxt[keep]
