@@ -43,9 +43,9 @@ ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
 
 def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Eagle3Head:
     """An EAGLE-3 head to train for ``target`` (a NativeLlama): the draft vocabulary ``draft_ids``
-    (sorted target ids), its ``lm_head`` and ``norm`` copied from the target's (so the head starts
-    by reading its output the way the target reads its last residual stream), ``fc`` picking the
-    deepest captured state (the head's residual starts at the target's own), the rest random."""
+    (sorted target ids), its ``lm_head`` the target's rows for them (kept frozen in training), its
+    ``norm`` a tenth of the target's final norm (random first outputs then make soft drafts rather
+    than confident wrong ones), the rest random."""
     from ddspec.draft.checkpoint import head_config_for
 
     cfg = head_config_for(target.hf_config, layers=1)
@@ -53,12 +53,9 @@ def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, 
     cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(draft_ids.numel()),
                target_hidden_size=target.arch.hidden_size)
     head = Eagle3Head(cfg, capture_layers, max_position=target.arch.max_position)
-    h, n = head.hidden_size, len(capture_layers)
     with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, (n - 1) * h:] = torch.eye(h)
         head.lm_head.weight.copy_(target.lm_head_weight_t()[:, draft_ids].t())
-        head.norm.weight.copy_(target.norm)
+        head.norm.weight.copy_(0.1 * target.norm)  # soft at first: a random h must not make confident drafts
         head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
         head.t2d.zero_()
         head.t2d[draft_ids] = True
