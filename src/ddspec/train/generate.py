@@ -88,6 +88,7 @@ class ContinuousBatcher:
         self.keys = torch.zeros(a.num_layers, rows, a.num_kv_heads, self.capacity, a.head_dim,
                                 dtype=target.dtype, device=target.device)  # [L, R, Hkv, T, D]
         self.values = torch.zeros_like(self.keys)
+        self._scratch: torch.Tensor | None = None  # one layer's cache, for shifting
         self.start = torch.zeros(rows, dtype=torch.long, device=target.device)  # [R]
         self.s = max_prompt  # the next write slot; >= any prompt length, so prompts fit before it
         self.eos = torch.tensor(sorted(target.info.eos_token_ids), device=target.device)
@@ -155,8 +156,12 @@ class ContinuousBatcher:
         live = self.start[self.live]
         shift = int(min(int(live.min()) if live.numel() else self.s, self.s - self.max_prompt))
         n = self.s - shift
-        self.keys[:, :, :, :n] = self.keys[:, :, :, shift : self.s].clone()
-        self.values[:, :, :, :n] = self.values[:, :, :, shift : self.s].clone()
+        for cache in (self.keys, self.values):  # layer by layer through one scratch buffer (no big allocations)
+            for li in range(cache.shape[0]):
+                if self._scratch is None or self._scratch.shape[0] != cache.shape[1]:
+                    self._scratch = torch.empty_like(cache[0])
+                self._scratch[:, :, :n].copy_(cache[li, :, :, shift : self.s])
+                cache[li, :, :, :n].copy_(self._scratch[:, :, :n])
         self.start -= shift
         self.s = n
 
@@ -213,7 +218,11 @@ class ContinuousBatcher:
             if not queue and 2 * self.live.numel() <= self.rows:  # draining: stop computing free rows
                 # (once half of them are free: each compaction copies the whole cache)
                 keep = self.live
-                self.keys, self.values = self.keys[:, keep], self.values[:, keep]
+                for j, r in enumerate(keep.tolist()):  # in place (keep is ascending): no new multi-GB tensors,
+                    if r != j:                         # whose first touch costs more than the copy
+                        self.keys[:, j].copy_(self.keys[:, r])
+                        self.values[:, j].copy_(self.values[:, r])
+                self.keys, self.values = self.keys[:, : keep.numel()], self.values[:, : keep.numel()]
                 self.start, nxt = self.start[keep], nxt[keep]
                 item = [item[r] for r in keep.tolist()]
                 self.rows = keep.numel()
