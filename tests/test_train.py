@@ -74,6 +74,13 @@ def test_tiny_eagle3_pipeline_end_to_end(tmp_path, capsys):
     assert main(["train", "fit", *base, "--ttt-passes", "2"]) == 0
     assert "resuming from step" in capsys.readouterr().err
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
+    # side by side with another head in one eval run; a bad --against is named
+    capsys.readouterr()
+    assert main(["train", "eval", *base, "--against", str(out / "export")]) == 0
+    both = json.loads((out / "eval.json").read_text())
+    assert both["against"]["tiny"]["identical_to_plain"] == "4/4" and both["against"]["tiny"]["tau"] >= 1.0
+    assert main(["train", "eval", *base, "--against", str(tmp_path / "nowhere")]) == 2
+    assert "not a head folder" in capsys.readouterr().err
     # EAGLE-1/2 data has no captured states: an EAGLE-3 fit on it is refused with the fix
     plain = tmp_path / "plain"
     assert main(["train", "data", "--tiny", "--out", str(plain), "--threads", "1"]) == 0

@@ -105,6 +105,9 @@ def add_parser(sub) -> None:
                         "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
+    g.add_argument("--against", default=None, metavar="HEAD",
+                   help="eval: also run this head (a folder; 'shipped' = the model's shipped head) on the same "
+                        "prompts, side by side: tau and draft ms of both in one run")
     g.add_argument("--to", default=None, help="export: the head folder to write")
     g.add_argument("--format", default=None, choices=("eagle", "eagle3"),
                    help="export: eagle = the EAGLE-1/2 layout; eagle3 = the published EAGLE-3 layout (config and "

@@ -319,6 +319,10 @@ def stage_eval(args, out: Path, target) -> None:
         full = copy.deepcopy(head)
         del full.d2t
         variants["head_full_vocab"] = full
+    against = getattr(args, "against", None)
+    if against:
+        variants["against"] = _against_head(against, target)
+        log.info(f"side by side with {against}")
     total = sum(len(p) for p in sets.values()) * len(variants)
     with tqdm(total=total, desc="eval", unit="prompt", file=sys.stderr, disable=None) as bar:
         for vname, h in variants.items():
@@ -335,6 +339,19 @@ def stage_eval(args, out: Path, target) -> None:
                              + ", ".join(f"{c} {e['tau']:.3f}" for c, e in r["by_category"].items()))
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     log.finish()
+
+
+def _against_head(spec: str, target):
+    """The head ``--against`` names: a folder, or ``shipped`` (the target's shipped head)."""
+    from ddspec.methods import resolve_head, shipped_head
+
+    if spec == "shipped":
+        if shipped_head(target.info.name) is None:
+            raise DdspecError(f"--against shipped: no head ships for {target.info.name}; give a head folder")
+        return resolve_head(None, target)
+    if not (Path(spec) / "config.json").is_file():
+        raise DdspecError(f"--against {spec}: not a head folder (no config.json)")
+    return resolve_head(spec, target)
 
 
 def _head_from_checkpoint(out: Path, target):
