@@ -30,20 +30,25 @@ def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch
     if kernel.startswith("native"):
         assert packed.layers[0].qkv.native.kind == ("q8_0" if kernel.endswith("q8_0") else "f32")
     gen = torch.Generator().manual_seed(0)
-    h = target.info.hidden_size
+    for want, got in module_and_packed(head, packed, target.info.hidden_size, gen):
+        if kernel.endswith("q8_0"):
+            assert 0 < (got - want).abs().max() <= 0.03 * want.abs().max()
+        else:
+            assert (got - want).abs().max() <= 1e-4
+
+
+def module_and_packed(head, packed, h: int, gen: torch.Generator):
+    """(module output, packed output) for a prefill of 5 entries, then 3 tree-like rows attending to
+    it, each on its own cache; checks both caches advanced by all 8."""
     caches = [head.new_cache(32), head.new_cache(32)]
-    for n, prefix in ((5, 0), (3, 5)):  # a prefill of 5, then 3 tree-like rows attending to it
+    for n, prefix in ((5, 0), (3, 5)):
         embeds, feats = torch.randn(1, n, h, generator=gen), torch.randn(1, n, h, generator=gen)
         positions = torch.arange(prefix, prefix + n)
         mask = torch.ones(1, 1, n, prefix + n, dtype=torch.bool)
         mask[0, 0, :, prefix:] = torch.ones(n, n, dtype=torch.bool).tril_()
         with torch.inference_mode():
             want = head(embeds, feats, positions, mask, caches[0])
-        got = packed(embeds, feats, positions, mask, caches[1])
-        if kernel.endswith("q8_0"):
-            assert 0 < (got - want).abs().max() <= 0.03 * want.abs().max()
-        else:
-            assert (got - want).abs().max() <= 1e-4
+        yield want, packed(embeds, feats, positions, mask, caches[1])
     assert caches[0].length == caches[1].length == 8
 
 
@@ -78,17 +83,8 @@ def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch)
     tol = (lambda want: 0.03 * want.abs().max()) if kernel.endswith("q8_0") else (lambda want: 1e-4)
     gen = torch.Generator().manual_seed(0)
     h = target.info.hidden_size
-    caches = [head.new_cache(32), head.new_cache(32)]
-    for n, prefix in ((5, 0), (3, 5)):
-        embeds, feats = torch.randn(1, n, h, generator=gen), torch.randn(1, n, h, generator=gen)
-        positions = torch.arange(prefix, prefix + n)
-        mask = torch.ones(1, 1, n, prefix + n, dtype=torch.bool)
-        mask[0, 0, :, prefix:] = torch.ones(n, n, dtype=torch.bool).tril_()
-        with torch.inference_mode():
-            want = head(embeds, feats, positions, mask, caches[0])
-        got = packed(embeds, feats, positions, mask, caches[1])
+    for want, got in module_and_packed(head, packed, h, gen):
         assert (got - want).abs().max() <= tol(want)
-    assert caches[0].length == caches[1].length == 8
     out = TargetOutput(None, None, {1: torch.randn(4, h, generator=gen)})
     with torch.inference_mode():
         want = head.committed_features(out, torch.tensor([0, 2]))
