@@ -41,28 +41,6 @@ from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
 
 
-def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Eagle3Head:
-    """An EAGLE-3 head to train for ``target`` (a NativeLlama): the draft vocabulary ``draft_ids``
-    (sorted target ids), its ``lm_head`` the target's rows for them (kept frozen in training), its
-    ``norm`` a tenth of the target's final norm (random first outputs then make soft drafts rather
-    than confident wrong ones), the rest random."""
-    from ddspec.draft.checkpoint import head_config_for
-
-    cfg = head_config_for(target.hf_config, layers=1)
-    cfg.pop("bias", None)
-    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(draft_ids.numel()),
-               target_hidden_size=target.arch.hidden_size)
-    head = Eagle3Head(cfg, capture_layers, max_position=target.arch.max_position)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target.lm_head_weight_t()[:, draft_ids].t())
-        head.norm.weight.copy_(0.1 * target.norm)  # soft at first: a random h must not make confident drafts
-        head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
-        head.t2d.zero_()
-        head.t2d[draft_ids] = True
-    head.lm_head.weight.requires_grad_(False)  # trained against the target's own output map
-    return head
-
-
 def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
     """The target layers EAGLE-3 reads by default (HF ``hidden_states`` indices: inputs of layers)."""
     return (2, num_layers // 2, num_layers - 3)

@@ -247,8 +247,7 @@ def stage_fit(args, out: Path, target) -> None:
     if not 0 <= head_layers <= 8:
         raise DdspecError(f"--head-layers must be from 1 to 8 (0 = as --init-from, else 1), got {head_layers}")
     if eagle3:
-        from ddspec.draft.eagle3 import new_eagle3_head
-        from ddspec.train.trainer import draft_vocabulary
+        from ddspec.train.trainer import draft_vocabulary, new_eagle3_head
 
         size = settings.draft_vocab or target.info.vocab_size
         head = new_eagle3_head(target, draft_vocabulary(sequences, size, target.info.vocab_size), tuple(kept))

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddspec.draft.checkpoint import head_config_for
 from ddspec.draft.eagle3 import Eagle3Head
 from ddspec.draft.head import EagleHead
 
@@ -119,6 +120,26 @@ def ttt_passes(head: EagleHead | Eagle3Head, embeds: torch.Tensor, features: tor
         outs.append(out)
         inp = F.pad(out[:, :-1], (0, 0, 1, 0))  # pass k + 1 at index i reads pass k's output at i - 1
     return outs
+
+
+def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Eagle3Head:
+    """An EAGLE-3 head to train for ``target`` (a NativeLlama): the draft vocabulary ``draft_ids``
+    (sorted target ids), its ``lm_head`` the target's rows for them (kept frozen in training), its
+    ``norm`` a tenth of the target's final norm (random first outputs then make soft drafts rather
+    than confident wrong ones), the rest random."""
+    cfg = head_config_for(target.hf_config, layers=1)
+    cfg.pop("bias", None)
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(draft_ids.numel()),
+               target_hidden_size=target.arch.hidden_size)
+    head = Eagle3Head(cfg, capture_layers, max_position=target.arch.max_position)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head_weight_t()[:, draft_ids].t())
+        head.norm.weight.copy_(0.1 * target.norm)  # soft at first: a random h must not make confident drafts
+        head.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    head.lm_head.weight.requires_grad_(False)  # trained against the target's own output map
+    return head
 
 
 def make_batches(sequences: list[dict], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
