@@ -9,7 +9,7 @@ import torch
 
 from ddspec.cli import main
 from ddspec.errors import DdspecError
-from ddspec.train.data import balanced_mix, read_prompts
+from ddspec.train.data import balanced_mix, read_prompts, length_groups
 
 
 def test_tiny_pipeline_end_to_end(tmp_path, capsys):
@@ -358,3 +358,14 @@ def test_sampled_passes_add_new_target_written_answers(tmp_path, capsys):
                  "--sample-sources", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "nosuch" in err and "tiny" in err and "Traceback" not in err
+
+
+def test_length_groups_keep_each_group_within_the_padded_budget():
+    lengths = [5, 300, 12, 7, 290, 1000, 6]
+    groups = length_groups(lengths, 600)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or max(lengths[i] for i in g) * len(g) <= 600
+    assert [lengths[i] for g in groups for i in g] == sorted(lengths)  # shortest first
+    assert groups[-1] == [5]  # longer than the budget: alone
+    assert length_groups([], 10) == []

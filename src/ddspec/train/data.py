@@ -81,3 +81,16 @@ def balanced_mix(records: list[PromptRecord], caps: dict[str, int] = DEFAULT_CAP
     mix = [r for _, r in keyed]
     assert len(mix) == total
     return mix
+
+
+def length_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped by length for left- or right-padded batches: shortest first, each group as
+    many as fit in ``budget`` padded tokens (its longest length x its size), at least one each."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] * (len(groups[-1]) + 1) <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

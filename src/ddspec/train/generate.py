@@ -32,7 +32,7 @@ from ddspec.errors import DdspecError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.llama import NativeLlama, layer_forward
 from ddspec.prompts import chat_prompt_ids
-from ddspec.train.data import PromptRecord
+from ddspec.train.data import PromptRecord, length_groups
 
 
 def target_fingerprint(target) -> str:
@@ -98,20 +98,13 @@ class ContinuousBatcher:
         """Run new prompts, place their KV in ``rows`` ending at slot s. Prompts of similar length
         run together (left-padded), at most PREFILL_TOKENS padded tokens at a time, so one long
         prompt does not pad every short one to its length."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         first = torch.zeros(len(prompts), dtype=torch.long, device=self.target.device)
         feats: list = [None] * len(prompts)
         states: list = [None] * len(prompts)
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and len(prompts[order[end]]) * (end - start + 1) <= PREFILL_TOKENS:
-                end += 1
-            group = order[start:end]
+        for group in length_groups([len(x) for x in prompts], PREFILL_TOKENS):
             f, fs, ss = self._prefill_group([prompts[i] for i in group], [rows[i] for i in group])
             for j, i in enumerate(group):
                 first[i], feats[i], states[i] = f[j], fs[j], ss[j]
-            start = end
         return first, feats, states
 
     def _prefill_group(self, prompts: list[list[int]], rows: list[int]

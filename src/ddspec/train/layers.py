@@ -21,6 +21,7 @@ import torch
 
 from ddspec.draft.head import fusion_input
 from ddspec.errors import DdspecError
+from ddspec.train.data import length_groups
 
 
 def parse_layers(spec: str | None, num_layers: int) -> tuple[int, ...]:
@@ -41,14 +42,8 @@ def parse_layers(spec: str | None, num_layers: int) -> tuple[int, ...]:
 def layer_states(target, sequences: list[torch.Tensor], layers: tuple[int, ...],
                  batch_tokens: int = 2400) -> list[torch.Tensor]:
     """Normalised residual streams of each sequence's first T - 1 positions: [T - 1, len(layers) * H] fp16."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     out: list[torch.Tensor | None] = [None] * len(sequences)
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and len(sequences[order[end]]) * (end - start + 1) <= batch_tokens:
-            end += 1
-        idx = order[start:end]
+    for idx in length_groups([len(x) for x in sequences], batch_tokens):
         t = max(len(sequences[i]) for i in idx)
         tokens = torch.zeros(len(idx), t, dtype=torch.long)
         real = torch.zeros(len(idx), t, dtype=torch.bool)
@@ -59,7 +54,6 @@ def layer_states(target, sequences: list[torch.Tensor], layers: tuple[int, ...],
         fused = fusion_input([hidden[i] for i in layers])  # [B, T, n * H]
         for row, i in enumerate(idx):
             out[i] = fused[row, : len(sequences[i]) - 1].half().clone()
-        start = end
     return out  # type: ignore[return-value]
 
 
