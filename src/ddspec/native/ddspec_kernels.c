@@ -519,37 +519,241 @@ static void rope(float *x, const float *cos_p, const float *sin_p, int64_t dim) 
     for (int64_t i = half; i < dim; i++) x[i] = tmp[i] * cos_p[i] + tmp[i - half] * sin_p[i];
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+/* Eight dot products of length D (a multiple of 8): q . k[0..7], k[j] = keys + j * D, as one
+ * vector. Each dot sums its D/8 products per lane in order of d, then the lanes pairwise. */
+static inline __m256 dots8(const float *q, const float *keys, int64_t D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + j * D + c), a[j]);
     }
-    float s = hsum8(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+static inline float dot_one(const float *a, const float *b, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float r = hsum8(s);
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* srow[0..T) <- e^(srow - max) (masked -inf entries give 0); returns 1 / their sum. */
+static float softmax_row(float *srow, int64_t T) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mx8 = ninf;
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(srow + t));
+    float mx = -INFINITY, lanes[8];
+    _mm256_storeu_ps(lanes, mx8);
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; t < T; t++) mx = srow[t] > mx ? srow[t] : mx;
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= T; t += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + t), m8));
+        _mm256_storeu_ps(srow + t, p);
+        sum8 = _mm256_add_ps(sum8, p);
+    }
+    float sum = hsum8(sum8);
+    for (; t < T; t++) {
+        srow[t] = exp1(srow[t] - mx);
+        sum += srow[t];
+    }
+    return 1.0f / sum;
+}
+
+/* One query row's scores: srow[t] = q . k_t * scale for t in [t0, t1), -inf where mrow[t] == 0. */
+static void scores_row(const float *q, const float *keys, int64_t D, int64_t t0, int64_t t1, const uint8_t *mrow,
+                       float scale, float *srow) {
+    const __m256 scale8 = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    int64_t t = t0;
+    if (D % 8 == 0)
+        for (; t + 8 <= t1; t += 8) {
+            __m256 sv = _mm256_mul_ps(dots8(q, keys + t * D, D), scale8);
+            if (mrow) {
+                const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mrow + t)));
+                sv = _mm256_blendv_ps(ninf, sv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(m8, _mm256_setzero_si256())));
+            }
+            _mm256_storeu_ps(srow + t, sv);
+        }
+    for (; t < t1; t++) srow[t] = (mrow && !mrow[t]) ? -INFINITY : dot_one(q, keys + t * D, D) * scale;
+}
+
+#define KEY_CHUNK 64 /* keys per unit of work in the scores pass */
+#define QTILE 6      /* queries per pass over the values: 6 x 2 accumulators */
+
+/* o[j][0..16) = (sum over t in order of p[j][t] * vals[t * D + 0..16)) * iv[j], j < NQ (8 values
+ * when !wide). */
+#define PV(NQ)                                                                                      \
+    static void pv_##NQ(const float *const *p, const float *vals, int64_t T, int64_t D, int64_t wide, \
+                        const __m256 *iv, float *const *o) {                                        \
+        __m256 a0[NQ], a1[NQ];                                                                      \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) a0[j] = a1[j] = _mm256_setzero_ps();   \
+        for (int64_t t = 0; t < T; t++) {                                                           \
+            const __m256 v0 = _mm256_loadu_ps(vals + t * D), v1 = wide ? _mm256_loadu_ps(vals + t * D + 8) : v0; \
+            _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) {                                  \
+                const __m256 pv = _mm256_broadcast_ss(p[j] + t);                                    \
+                a0[j] = _mm256_fmadd_ps(pv, v0, a0[j]);                                             \
+                a1[j] = _mm256_fmadd_ps(pv, v1, a1[j]);                                             \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) {                                      \
+            _mm256_storeu_ps(o[j], _mm256_mul_ps(a0[j], iv[j]));                                    \
+            if (wide) _mm256_storeu_ps(o[j] + 8, _mm256_mul_ps(a1[j], iv[j]));                      \
+        }                                                                                           \
+    }
+PV(1) PV(2) PV(3) PV(4) PV(5) PV(6)
+
+/* Attention of n new tokens' nh query heads over T cached keys (grouped: kv head g serves query
+ * heads g * nh / nkv ...), inside a parallel region. q: qkv + i * wqkv + head * D (RoPE done);
+ * kc/vc [nkv, tmax, D]; mask [n, T] (1 = attend) or NULL; out: attn [n, nh * D].
+ * Three passes, each over independent units, so that every kv head's keys and values are read
+ * once for all the queries they serve (not once per query head and token):
+ *   scores: S[(i, head), t] = q . k_t * scale (-inf where masked), units = (kv head, 64 keys);
+ *   softmax per (i, head) row: e^(S - max), and 1 / its sum; units = rows;
+ *   values: out = sum over t in order of p_t * v_t, times 1 / sum; units = (kv head, 16 of D).
+ * Every sum runs in an order fixed by T and D alone: the result does not depend on the threads. */
+static void attention_shared(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
+                             const float *kc, const float *vc, int64_t tmax, int64_t T, const uint8_t *mask,
+                             float scale, float *S, float *out) {
+    const int64_t group = nh / nkv, rows = n * nh, chunks = (T + KEY_CHUNK - 1) / KEY_CHUNK;
+    float *inv = S + rows * T;
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < nkv * chunks; u++) {
+        const int64_t g = u / chunks, t0 = (u % chunks) * KEY_CHUNK, t1 = t0 + KEY_CHUNK < T ? t0 + KEY_CHUNK : T;
+        const float *keys = kc + g * tmax * D;
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t head = g * group; head < (g + 1) * group; head++) {
+                const float *q = qkv + i * wqkv + head * D;
+                float *srow = S + (i * nh + head) * T;
+                scores_row(q, keys, D, t0, t1, mask ? mask + i * T : NULL, scale, srow);
+            }
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) inv[r] = softmax_row(S + r * T, T);
+    if (D % 8) { /* odd head sizes (tiny test models): one (token, head) row at a time */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t i = r / nh, head = r % nh;
+            const float *vals = vc + (head / group) * tmax * D, *p = S + r * T;
+            for (int64_t c = 0; c < D; c++) {
+                float s = 0.0f;
+                for (int64_t t = 0; t < T; t++) s = fmaf(p[t], vals[t * D + c], s);
+                out[i * nh * D + head * D + c] = s * inv[r];
+            }
+        }
+        return;
+    }
+    const int64_t parts = (D / 8 + 1) / 2; /* 16 values of D per unit (the last may hold 8) */
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < nkv * parts; u++) {
+        const int64_t g = u / parts, c0 = (u % parts) * 16, wide = c0 + 16 <= D;
+        const float *vals = vc + g * tmax * D + c0;
+        for (int64_t q0 = 0; q0 < n * group; q0 += QTILE) { /* queries (i, g * group + h), i-major */
+            const int64_t nq = n * group - q0 < QTILE ? n * group - q0 : QTILE;
+            const float *p[QTILE];
+            float *o[QTILE];
+            __m256 iv[QTILE];
+            for (int64_t j = 0; j < nq; j++) {
+                const int64_t qj = q0 + j, i = qj / group, head = g * group + qj % group, r = i * nh + head;
+                p[j] = S + r * T;
+                o[j] = out + i * nh * D + head * D + c0;
+                iv[j] = _mm256_set1_ps(inv[r]);
+            }
+            switch (nq) {
+            case 1: pv_1(p, vals, T, D, wide, iv, o); break;
+            case 2: pv_2(p, vals, T, D, wide, iv, o); break;
+            case 3: pv_3(p, vals, T, D, wide, iv, o); break;
+            case 4: pv_4(p, vals, T, D, wide, iv, o); break;
+            case 5: pv_5(p, vals, T, D, wide, iv, o); break;
+            default: pv_6(p, vals, T, D, wide, iv, o); break;
+            }
+        }
+    }
 }
 
 /* One decoder layer over n new tokens, in place on the residual stream x [n, hidden].
  * k/v caches: [kv_heads, tmax, head_dim] for this layer; the new keys and values are written
  * at slots [start, start + n). mask: [n, start + n] (1 = attend) or NULL to attend to all of
  * them. cos/sin: [max_position, head_dim]. Returns 0, or 1 when a size is out of range. */
-int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
-                     const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
-                     const uint8_t *mask, int nthreads) {
+/* o[0..D) = (sum over t in order of p[t] * vals[t * D + 0..D)) * inv, D a multiple of 8: 64 values
+ * of D at a time on 8 accumulators (16 or 8 at the end). */
+static void pv_row(const float *p, const float *vals, int64_t T, int64_t D, float inv, float *o) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < T; t++) {
+            const __m256 pv = _mm256_broadcast_ss(p + t);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vals + t * D + c0 + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + c0 + 8 * c, _mm256_mul_ps(a[c], iv));
+    }
+    for (; c0 < D; c0 += 16) {
+        const float *pp[1] = {p};
+        float *oo[1] = {o + c0};
+        pv_1(pp, vals + c0, T, D, c0 + 16 <= D, &iv, oo);
+    }
+}
+
+/* The same attention as attention_shared, one (token, head) row per unit in a single pass: no
+ * barriers between passes, but each query head reads its kv head's keys and values itself. */
+static void attention_rows(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
+                           const float *kc, const float *vc, int64_t tmax, int64_t T, const uint8_t *mask,
+                           float scale, float *S, float *out) {
+    const int64_t group = nh / nkv;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n * nh; r++) {
+        const int64_t i = r / nh, head = r % nh, g = head / group;
+        const float *keys = kc + g * tmax * D, *vals = vc + g * tmax * D;
+        float *srow = S + r * T, *o = out + i * nh * D + head * D;
+        scores_row(qkv + i * wqkv + head * D, keys, D, 0, T, mask ? mask + i * T : NULL, scale, srow);
+        const float inv = softmax_row(srow, T);
+        if (D % 8 == 0) {
+            pv_row(srow, vals, T, D, inv, o);
+        } else {
+            for (int64_t c = 0; c < D; c++) {
+                float s = 0.0f;
+                for (int64_t t = 0; t < T; t++) s = fmaf(srow[t], vals[t * D + c], s);
+                o[c] = s * inv;
+            }
+        }
+    }
+}
+
+/* Which attention runs: 0 = by size (see layer_forward_buf), 1 = attention_rows, 2 = attention_shared. */
+static int attention_mode = 0;
+
+int dd_set_attention(int mode) {
+    if (mode < 0 || mode > 2) return 1;
+    attention_mode = mode;
+    return 0;
+}
+
+/* Floats of scratch one layer needs for n new tokens over T keys. */
+static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
+    const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
+    return n * L->hidden + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
+}
+
+static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                             const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
+                             const uint8_t *mask, int nthreads, float *buf) {
     const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter;
-    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n, group = nh / nkv;
+    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
     if (D > 512 || T > tmax || L->qkv.out != wqkv || L->gate_up.out != 2 * I) return 1;
-    float *buf = malloc(sizeof(float) * (size_t)(n * H + n * wqkv + n * nq + n * 2 * I + n * I + nthreads * T));
-    if (!buf) return 2;
     float *h = buf, *qkv = h + n * H, *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = 1.0f / sqrtf((float)D);
 
 #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = scores_all + (int64_t)omp_get_thread_num() * T;
         /* 1. input norm, then q, k, v */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
@@ -569,48 +773,11 @@ int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos,
                 memcpy(vc + (g * tmax + start + i) * D, qkv + i * wqkv + nq + nk + g * D, sizeof(float) * (size_t)D);
             }
         }
-        /* 3. attention, one (token, head) pair per iteration */
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n * nh; j++) {
-            const int64_t i = j / nh, head = j % nh, g = head / group;
-            const float *q = qkv + i * wqkv + head * D, *keys = kc + g * tmax * D, *vals = vc + g * tmax * D;
-            const uint8_t *mrow = mask ? mask + i * T : NULL;
-            float mx = -INFINITY;
-            for (int64_t t = 0; t < T; t++) {
-                if (mrow && !mrow[t]) { scores[t] = -INFINITY; continue; }
-                scores[t] = dot(q, keys + t * D, D) * scale;
-                if (scores[t] > mx) mx = scores[t];
-            }
-            __m256 sum8 = _mm256_setzero_ps();
-            const __m256 mx8 = _mm256_set1_ps(mx);
-            int64_t t = 0;
-            for (; t + 8 <= T; t += 8) {
-                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx8));
-                _mm256_storeu_ps(scores + t, p);
-                sum8 = _mm256_add_ps(sum8, p);
-            }
-            float sum = hsum8(sum8);
-            for (; t < T; t++) {
-                scores[t] = exp1(scores[t] - mx);
-                sum += scores[t];
-            }
-            float *out = attn + i * nq + head * D;
-            __m256 acc[64];
-            const int64_t nv = D / 8;
-            for (int64_t c = 0; c < nv; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < T; t++) {
-                if (scores[t] == 0.0f) continue;
-                const __m256 p = _mm256_set1_ps(scores[t]);
-                for (int64_t c = 0; c < nv; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vals + t * D + 8 * c), acc[c]);
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / sum);
-            for (int64_t c = 0; c < nv; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
-            for (int64_t c = nv * 8; c < D; c++) {
-                float s = 0.0f;
-                for (int64_t t = 0; t < T; t++) s += scores[t] * vals[t * D + c];
-                out[c] = s / sum;
-            }
-        }
+        /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
+        if (attention_mode == 1 || (attention_mode == 0 && n == 1))
+            attention_rows(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        else
+            attention_shared(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
         gemm_shared(&L->o, attn, n, x, H, 1);
 #pragma omp for schedule(static)
@@ -631,8 +798,17 @@ int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos,
         }
         gemm_shared(&L->down, act, n, x, H, 1);
     }
-    free(buf);
     return 0;
+}
+
+int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                     const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
+                     const uint8_t *mask, int nthreads) {
+    float *buf = malloc(sizeof(float) * (size_t)layer_scratch(L, n, start + n));
+    if (!buf) return 2;
+    const int rc = layer_forward_buf(L, x, n, pos, cos_t, sin_t, kc, vc, tmax, start, mask, nthreads, buf);
+    free(buf);
+    return rc;
 }
 
 /* Layers [0, count) of `layers` in order, in place on x: dd_layer_forward for each, layer i
@@ -641,10 +817,19 @@ int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos,
 int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
                       const float *cos_t, const float *sin_t, float *kc, float *vc, int64_t layer_stride,
                       int64_t tmax, int64_t start, const uint8_t *mask, int nthreads) {
+    int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
-        const int rc = dd_layer_forward(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride,
-                                        vc + i * layer_stride, tmax, start, mask, nthreads);
-        if (rc) return rc + 8 * (int)i;
+        const int64_t need = layer_scratch(layers + i, n, start + n);
+        size = need > size ? need : size;
     }
-    return 0;
+    float *buf = malloc(sizeof(float) * (size_t)(size + 1));
+    if (!buf) return 2;
+    int rc = 0;
+    for (int64_t i = 0; i < count && !rc; i++) {
+        rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
+                               tmax, start, mask, nthreads, buf);
+        if (rc) rc += 8 * (int)i;
+    }
+    free(buf);
+    return rc;
 }
