@@ -306,7 +306,9 @@ def test_explicit_layer_ids_in_both_conventions(deep, tmp_path, where, conventio
     target.reset(64)
     out = target.forward(torch.tensor(PROMPT), torch.arange(len(PROMPT)), None, drafter.hidden_layers)
     want = hf_captured(folder, PROMPT, (1, 3, 6)) @ stored["fc.weight"].T
-    assert torch.allclose(drafter._committed_features(out), want, atol=1e-5)
+    # fp32 rounding of an 8-layer forward, relative to its scale (a wrong stream is off by O(1)):
+    # against an fp64 forward our kernels measure 1-5e-5 at |h| ~ 13 (before and after the attention rework)
+    assert torch.allclose(drafter._committed_features(out), want, atol=2e-6 * want.abs().max())
     # the caller may also say which convention a config's ids use
     other = "input" if convention == "output" else "output"
     flipped = load_head(tmp_path, target.info, layer_ids_convention=other)

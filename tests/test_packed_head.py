@@ -80,6 +80,7 @@ def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch)
         if "norm" in name:
             p.add_(0.1 * torch.randn_like(p))  # norms that matter
     packed = PackedEagle3Head(head, "q8_0" if kernel.endswith("q8_0") else "exact")
+    assert (packed._array is not None) == kernel.startswith("native")  # the midlayer as one C call
     tol = (lambda want: 0.03 * want.abs().max()) if kernel.endswith("q8_0") else (lambda want: 1e-4)
     gen = torch.Generator().manual_seed(0)
     h = target.info.hidden_size

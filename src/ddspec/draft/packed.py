@@ -125,9 +125,10 @@ class DraftLMHead:
 class PackedEagle3Head:
     """An EAGLE-3 head's drafting forward (:meth:`Eagle3Head.forward` with a cache) on planned kernels.
 
-    The midlayer is not a Llama layer (its q/k/v read ``cat(input_layernorm(e), hidden_norm(g))``,
-    2H wide, while its residual is ``g``), so its four matmuls (q/k/v stacked, o, gate/up stacked,
-    down) run one by one on the kernel the plan picks, the small ops in torch between them; ``fc``
+    The midlayer is a Llama layer but for its q/k/v input, ``cat(input_layernorm(e), hidden_norm(g))``
+    (2H wide) while its residual is ``g``: on the native kernel it runs as one C call, given the
+    normed embeddings as the layer's extra inputs; on the other kernels its four matmuls (q/k/v
+    stacked, o, gate/up stacked, down) run one by one, the small ops in torch between them. ``fc``
     too, for committed positions. Q8_0 copies by default, as for :class:`PackedHead`."""
 
     def __init__(self, head, weights: str | None = None) -> None:  # an Eagle3Head (eagle3.py builds this)
@@ -153,6 +154,14 @@ class PackedEagle3Head:
                                 "q8_0" if quantise else "")
         self.mats = {k: Weight(m, self.plan.needed, blocks.get(k)) for k, m in mats.items()}
         self.norms = {k: state[f"{p}{k}.weight"] for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+        self._array = None
+        if "native" in self.plan.needed:  # the midlayer as one C layer reading the normed embeddings first
+            m = self.mats
+            self._qkv_native = m["qkv"].native.with_bias(self.qkv_bias)  # the struct points into it: keep it
+            layer = native_lib.layer_struct(self.arch, self.norms["hidden_norm"], self.norms["post_attention_layernorm"],
+                                            self._qkv_native, m["o"].native, m["gate_up"].native, m["down"].native,
+                                            extra=self.arch.hidden_size)
+            self._array = native_lib.layer_array([layer])
 
     @torch.inference_mode()
     def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,6 +178,14 @@ class PackedEagle3Head:
 
         a, m, n = self.arch, self.mats, embeds.shape[1]
         kernel = self.plan.kernel(n)
+        if kernel == "native" and self._array is not None:
+            e = rms_norm(embeds[0], self.norms["input_layernorm"], a.rms_eps).float().contiguous()
+            h = features[0].float().clone()
+            flat = None if mask is None else mask.reshape(n, -1).to(torch.bool).contiguous()
+            native_lib.layers_forward(self._array, 0, 1, h, positions.to(torch.int64).contiguous(), self.rotary.cos,
+                                      self.rotary.sin, cache.keys[0:1, 0], cache.values[0:1, 0], cache.length, flat, e)
+            cache.advance(n)
+            return h.view(1, n, -1)
         nq, nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         x = torch.cat([rms_norm(embeds, self.norms["input_layernorm"], a.rms_eps),
                        rms_norm(features, self.norms["hidden_norm"], a.rms_eps)], dim=-1)

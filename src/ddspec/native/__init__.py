@@ -50,7 +50,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight)]
+                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), ("extra", ctypes.c_int64)]
 
 
 def _cpu_flags() -> set[str]:
@@ -114,7 +114,7 @@ def library() -> ctypes.CDLL | None:
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
@@ -249,9 +249,12 @@ def concat(weights: list[NativeWeight]) -> NativeWeight:
 
 
 def layer_struct(arch, in_norm, post_norm, qkv: NativeWeight, o: NativeWeight, gate_up: NativeWeight,
-                 down: NativeWeight) -> _Layer:
+                 down: NativeWeight, extra: int = 0) -> _Layer:
+    """extra > 0: q/k/v read ``cat(extra row, in_norm(x))`` (an EAGLE-3 midlayer), the extra rows
+    given to :func:`layers_forward`."""
     return _Layer(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, down.in_features,
-                  arch.rms_eps, _ptr(in_norm), _ptr(post_norm), qkv.struct, o.struct, gate_up.struct, down.struct)
+                  arch.rms_eps, _ptr(in_norm), _ptr(post_norm), qkv.struct, o.struct, gate_up.struct, down.struct,
+                  extra)
 
 
 def layer_array(layers: list[_Layer]):
@@ -275,15 +278,16 @@ def set_attention(mode: str) -> None:
 
 def layers_forward(array, first: int, count: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   mask: torch.Tensor | None) -> None:
+                   mask: torch.Tensor | None, extra: torch.Tensor | None = None) -> None:
     """Layers [first, first + count) of ``array`` in place on x [n, H], in one C call. keys/values:
-    the caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache)."""
+    the caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
+    extra: [n, E] fp32 contiguous, for layers built with ``extra=E``."""
     n = x.shape[0]
     layer0 = ctypes.cast(ctypes.byref(array, first * ctypes.sizeof(_Layer)), ctypes.POINTER(_Layer))
     rc = library().dd_layers_forward(
         layer0, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
-        None if mask is None else mask.data_ptr(), torch.get_num_threads())
+        None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr())
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {first + rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")

@@ -56,6 +56,8 @@ typedef struct {
     const float *in_norm;   /* [hidden] or NULL (EAGLE heads have no first norm) */
     const float *post_norm; /* [hidden] */
     dd_weight qkv, o, gate_up, down;
+    int64_t extra; /* > 0: q/k/v read cat(extra[i], in_norm(x[i])), extra given per call [n, extra]
+                    * (an EAGLE-3 midlayer: the normed embedding beside the normed hidden state) */
 } dd_layer;
 
 #define TILE 6 /* rows per pass: 6 rows x 2 vectors = 12 accumulators of the 16 ymm registers */
@@ -739,26 +741,29 @@ int dd_set_attention(int mode) {
 /* Floats of scratch one layer needs for n new tokens over T keys. */
 static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
     const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
-    return n * L->hidden + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
+    return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
 }
 
 static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
                              const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
-                             const uint8_t *mask, int nthreads, float *buf) {
-    const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter;
+                             const uint8_t *mask, int nthreads, const float *extra, float *buf) {
+    const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
     const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
-    if (D > 512 || T > tmax || L->qkv.out != wqkv || L->gate_up.out != 2 * I) return 1;
-    float *h = buf, *qkv = h + n * H, *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
+    if (D > 512 || T > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * I) return 1;
+    if (E > 0 && !extra) return 3;
+    float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = 1.0f / sqrtf((float)D);
 
 #pragma omp parallel num_threads(nthreads)
     {
-        /* 1. input norm, then q, k, v */
+        /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, h + i * H);
-            else memcpy(h + i * H, x + i * H, sizeof(float) * (size_t)H);
+            float *hi = h + i * (H + E);
+            if (E) memcpy(hi, extra + i * E, sizeof(float) * (size_t)E);
+            if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
+            else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
         }
         gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
         /* 2. RoPE on q and k; keys and values into the cache */
@@ -806,17 +811,18 @@ int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos,
                      const uint8_t *mask, int nthreads) {
     float *buf = malloc(sizeof(float) * (size_t)layer_scratch(L, n, start + n));
     if (!buf) return 2;
-    const int rc = layer_forward_buf(L, x, n, pos, cos_t, sin_t, kc, vc, tmax, start, mask, nthreads, buf);
+    const int rc = layer_forward_buf(L, x, n, pos, cos_t, sin_t, kc, vc, tmax, start, mask, nthreads, NULL, buf);
     free(buf);
     return rc;
 }
 
 /* Layers [0, count) of `layers` in order, in place on x: dd_layer_forward for each, layer i
  * using the cache at kc + i * layer_stride (and vc likewise). One call per forward instead of
- * one per layer. Returns 0, or the first nonzero code with the failing layer's index * 8 added. */
+ * one per layer; extra: [n, extra] for the layers that read one (NULL when none does). Returns 0,
+ * or the first nonzero code with the failing layer's index * 8 added. */
 int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
                       const float *cos_t, const float *sin_t, float *kc, float *vc, int64_t layer_stride,
-                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads) {
+                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra) {
     int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
         const int64_t need = layer_scratch(layers + i, n, start + n);
@@ -827,7 +833,7 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     int rc = 0;
     for (int64_t i = 0; i < count && !rc; i++) {
         rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
-                               tmax, start, mask, nthreads, buf);
+                               tmax, start, mask, nthreads, extra, buf);
         if (rc) rc += 8 * (int)i;
     }
     free(buf);
