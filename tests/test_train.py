@@ -22,7 +22,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     evals = json.loads((out / "eval.json").read_text())
     r = evals["head"]["tiny"]
     assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
-    assert r["by_category"]["tiny"]["prompts"] == 4 and abs(r["by_category"]["tiny"]["tau"] - r["tau"]) < 1e-9
+    assert r["by_category"]["tiny"]["turns"] == 4 and abs(r["by_category"]["tiny"]["tau"] - r["tau"]) < 1e-9
     assert r["tau_steps"] > 0 and r["tau"] == r["tau_tokens"] / r["tau_steps"]
     assert f"tau {r['tau']:.3f} ({r['tau_tokens']} tokens in {r['tau_steps']} steps)" in (out / "eval.log").read_text()
     card = (out / "export" / "README.md").read_text()
@@ -40,6 +40,15 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1"]) == 0
     assert "resuming from step" in capsys.readouterr().err
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == state["step"]
+
+    # two turns per prompt: the second follows plain decoding's first answer; every turn checked
+    assert main(["train", "eval", "--tiny", "--out", str(out), "--threads", "1", "--eval-turns", "2"]) == 0
+    r2 = json.loads((out / "eval.json").read_text())["head"]["tiny"]
+    assert (r2["prompts"], r2["turns"], r2["identical_to_plain"]) == (4, 8, "8/8")
+    assert r2["tau_steps"] > r["tau_steps"] and r2["by_category"]["tiny"]["turns"] == 8
+    assert "(4 prompts, 8 turns)" in (out / "eval.log").read_text()
+    assert main(["train", "eval", "--tiny", "--out", str(out), "--threads", "1", "--eval-turns", "0"]) != 0
+    assert "--eval-turns 0" in capsys.readouterr().err
 
 
 def test_tiny_eagle3_pipeline_end_to_end(tmp_path, capsys):
@@ -289,7 +298,7 @@ def test_prompt_loss_counts_prompt_positions_too():
 
 
 def test_eval_sets_with_counts_and_categories(tmp_path):
-    from ddspec.train.evaluate import first_turn_records, parse_eval_sets
+    from ddspec.train.evaluate import first_turn_records, parse_eval_sets, turn_records
 
     known = ("mt_bench", "humaneval", "gsm8k")
     assert parse_eval_sets("mt_bench:80, humaneval,gsm8k:5", 20, known) == {"mt_bench": 80, "humaneval": 20, "gsm8k": 5}
@@ -300,6 +309,8 @@ def test_eval_sets_with_counts_and_categories(tmp_path):
     path = tmp_path / "e.jsonl"
     path.write_text('{"category": "writing", "turns": ["a", "b"]}\n\n{"category": "math", "turns": ["c"]}\n')
     assert first_turn_records(path, 5) == [("writing", "a"), ("math", "c")]
+    assert turn_records(path, 5, 2) == [("writing", ["a", "b"]), ("math", ["c"])]
+    assert turn_records(path, 1, 3) == [("writing", ["a", "b"])]
     path.write_text('{"category": "writing", "turns": []}\n')
     with pytest.raises(DdspecError, match="line 1"):
         first_turn_records(path, 5)

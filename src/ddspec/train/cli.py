@@ -100,6 +100,9 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)
+    g.add_argument("--eval-turns", type=int, default=1, metavar="N",
+                   help="evaluate the first N turns of each prompt (MT-bench has 2; turn k follows plain "
+                        "decoding's answers to the earlier ones). Default 1")
     g.add_argument("--eval-sets", default="mt_bench,humaneval,gsm8k",
                    help="comma-separated eval files, each optionally with its own prompt count: "
                         "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")

@@ -25,6 +25,11 @@ def first_turns(path: Path, limit: int) -> list[str]:
 
 def first_turn_records(path: Path, limit: int) -> list[tuple[str, str]]:
     """(category, first user turn) of the first ``limit`` records of an eval JSONL."""
+    return [(cat, turns[0]) for cat, turns in turn_records(path, limit, 1)]
+
+
+def turn_records(path: Path, limit: int, turns: int) -> list[tuple[str, list[str]]]:
+    """(category, its first ``turns`` user turns) of the first ``limit`` records of an eval JSONL."""
     if not path.is_file():
         raise DdspecError(f"eval file not found: {path}")
     out = []
@@ -33,8 +38,11 @@ def first_turn_records(path: Path, limit: int) -> list[tuple[str, str]]:
             continue
         try:
             row = json.loads(line)
-            out.append((str(row.get("category", "")), row["turns"][0]))
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
+            said = row["turns"][:turns]
+            if not said or not all(isinstance(t, str) for t in said):
+                raise ValueError("'turns' must hold at least one text")
+            out.append((str(row.get("category", "")), said))
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise DdspecError(f"{path}, line {n}: not a prompt record ({e})") from e
         if len(out) >= limit:
             break
@@ -72,33 +80,42 @@ def depth_acceptance(stats: list[RunStats]) -> list[float]:
     return rates
 
 
-def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeConfig = TreeConfig(),
+def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens: int, tree: TreeConfig = TreeConfig(),
                   method: str = "eagle2", progress=None, categories: list[str] | None = None) -> dict:
+    """τ, acceptance by depth and draft cost of ``head`` with ``method``'s trees, each turn also
+    decoded plainly to check the output. A prompt is one user turn, or a conversation (a list of
+    user turns): turn k then follows turns 1..k-1 and plain decoding's answers to them."""
     drafter = EagleDrafter(head, target, tree_config(method, tree))
     stop = StopConfig(max_new_tokens=new_tokens)
-    runs, same, wall, plain_wall, tokens = [], 0, 0.0, 0.0, 0
-    for text in prompts:
-        ids = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": text}])
-        t0 = time.perf_counter()
-        ref = Engine(target).generate(ids, stop)
-        t1 = time.perf_counter()
-        res = Engine(target, drafter).generate(ids, stop)
-        t2 = time.perf_counter()
-        same += res.token_ids == ref.token_ids
-        runs.append(res.stats)
-        plain_wall, wall, tokens = plain_wall + t1 - t0, wall + t2 - t1, tokens + res.stats.new_tokens
-        if progress:
-            progress.update(1)
+    runs, same, wall, plain_wall, tokens, turn_categories = [], 0, 0.0, 0.0, 0, []
+    for i, prompt in enumerate(prompts):
+        messages: list[dict[str, str]] = []
+        for text in [prompt] if isinstance(prompt, str) else prompt:
+            messages.append({"role": "user", "content": text})
+            ids = chat_prompt_ids(target.tokenizer, messages)
+            t0 = time.perf_counter()
+            ref = Engine(target).generate(ids, stop)
+            t1 = time.perf_counter()
+            res = Engine(target, drafter).generate(ids, stop)
+            t2 = time.perf_counter()
+            same += res.token_ids == ref.token_ids
+            runs.append(res.stats)
+            turn_categories.append(categories[i] if categories else "")
+            plain_wall, wall, tokens = plain_wall + t1 - t0, wall + t2 - t1, tokens + res.stats.new_tokens
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(ref.token_ids, skip_special_tokens=True)})
+            if progress:
+                progress.update(1)
     steps = [s for r in runs for s in r.steps]
     by_category: dict[str, dict] = {}
-    for cat, run in zip(categories or [], runs):
-        entry = by_category.setdefault(cat, {"prompts": 0, "tokens": 0, "steps": 0})
-        entry["prompts"] += 1
+    for cat, run in zip(turn_categories if categories else [], runs):
+        entry = by_category.setdefault(cat, {"turns": 0, "tokens": 0, "steps": 0})
+        entry["turns"] += 1
         entry["tokens"] += sum(s.accepted + 1 for s in run.steps)
         entry["steps"] += len(run.steps)
     return {
         "by_category": {c: {**e, "tau": e["tokens"] / max(1, e["steps"])} for c, e in by_category.items()},
         "prompts": len(prompts),
+        "turns": len(runs),
         "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),
         "tau_tokens": sum(s.accepted + 1 for s in steps),
         "tau_steps": len(steps),
@@ -107,7 +124,7 @@ def evaluate_head(target, head, prompts: list[str], new_tokens: int, tree: TreeC
         "plain_tokens_per_s": tokens / plain_wall if plain_wall else 0.0,
         "draft_ms_per_step": sum(s.draft_ms for s in steps) / max(1, len(steps)),
         "verify_ms_per_step": sum(s.verify_ms for s in steps) / max(1, len(steps)),
-        "identical_to_plain": f"{same}/{len(prompts)}",
+        "identical_to_plain": f"{same}/{len(runs)}",
         "method": method,
         "tree": {"top_k": tree.top_k, "depth": tree.depth, "total_tokens": tree.total_tokens},
     }

@@ -290,7 +290,7 @@ def _training_summary(history: list[dict]) -> dict:
 
 def stage_eval(args, out: Path, target) -> None:
     from ddspec.draft.checkpoint import load_head
-    from ddspec.train.evaluate import evaluate_head, first_turn_records, parse_eval_sets
+    from ddspec.train.evaluate import evaluate_head, parse_eval_sets, turn_records
 
     log = StageLog(out, "eval")
     if (out / "head" / "config.json").is_file():
@@ -298,15 +298,18 @@ def stage_eval(args, out: Path, target) -> None:
     else:
         head, meta = _head_from_checkpoint(out, target)
         log.info(f"training has not finished: evaluating the checkpoint at step {meta['training']['steps']}")
+    turns = getattr(args, "eval_turns", 1)
+    if turns < 1:
+        raise DdspecError(f"--eval-turns {turns}: evaluate at least the first turn (1)")
     if args.tiny:
-        sets = {"tiny": TINY_PROMPTS[:4]}
+        sets = {"tiny": [[p] + ["Go on."] * (turns - 1) for p in TINY_PROMPTS[:4]]}
         categories = {"tiny": ["tiny"] * 4}
         new_tokens = 24
     else:
         root = Path(args.prompts).resolve().parents[1] / "eval"
         limits = parse_eval_sets(args.eval_sets, args.eval_limit, EVAL_FILES)
-        records = {name: first_turn_records(root / f"{name}.jsonl", n) for name, n in limits.items()}
-        sets = {name: [text for _, text in rows] for name, rows in records.items()}
+        records = {name: turn_records(root / f"{name}.jsonl", n, turns) for name, n in limits.items()}
+        sets = {name: [turns for _, turns in rows] for name, rows in records.items()}
         categories = {name: [cat for cat, _ in rows] for name, rows in records.items()}
         new_tokens = args.eval_new_tokens
     results = {}
@@ -322,14 +325,14 @@ def stage_eval(args, out: Path, target) -> None:
     if against:
         variants["against"] = _against_head(against, target)
         log.info(f"side by side with {against}")
-    total = sum(len(p) for p in sets.values()) * len(variants)
-    with tqdm(total=total, desc="eval", unit="prompt", file=sys.stderr, disable=None) as bar:
+    total = sum(1 if isinstance(p, str) else len(p) for ps in sets.values() for p in ps) * len(variants)
+    with tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=None) as bar:
         for vname, h in variants.items():
             for name, prompts in sets.items():
                 r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name])
                 results.setdefault(vname, {})[name] = r
                 # three places and the counts: a τ of 2.995 must not print as 3.00
-                log.info(f"{vname} {name} ({len(prompts)} prompts): tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
+                log.info(f"{vname} {name} ({len(prompts)} prompts, {r['turns']} turns): tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
                          f"{r['tau_steps']} steps), depth acceptance "
                          f"{[round(x, 2) for x in r['depth_acceptance']]}, draft {r['draft_ms_per_step']:.1f} ms/step, "
                          f"identical {r['identical_to_plain']}")
