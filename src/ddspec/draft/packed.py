@@ -155,7 +155,8 @@ class PackedEagle3Head:
         self.mats = {k: Weight(m, self.plan.needed, blocks.get(k)) for k, m in mats.items()}
         self.norms = {k: state[f"{p}{k}.weight"] for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
         self._array = None
-        if "native" in self.plan.needed:  # the midlayer as one C layer reading the normed embeddings first
+        # the midlayer as one C layer reading the normed embeddings first (the C code reads fp32 norms)
+        if "native" in self.plan.needed and all(v.dtype == torch.float32 for v in self.norms.values()):
             m = self.mats
             self._qkv_native = m["qkv"].native.with_bias(self.qkv_bias)  # the struct points into it: keep it
             layer = native_lib.layer_struct(self.arch, self.norms["hidden_norm"], self.norms["post_attention_layernorm"],
