@@ -101,6 +101,26 @@ def test_tiny_eagle3_pipeline_end_to_end(tmp_path, capsys):
     assert main(["train", "data", "--tiny", "--out", str(plain), "--threads", "1", "--arch", "eagle3"]) == 2
     assert "without layer states" in capsys.readouterr().err
 
+    # a later run on more data starts from this head: fc, midlayer and norm carried, its own vocabulary
+    import shutil
+
+    from ddspec.train.pipeline import _warm_start_eagle3
+    from ddspec.train.trainer import new_eagle3_head
+
+    fresh = new_eagle3_head(target, torch.arange(0, 64, 2), (1, 1, 1))
+    _warm_start_eagle3(fresh, str(out / "export"), target)
+    carried = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    assert all(torch.equal(fresh.state_dict()[k], v.float()) for k, v in carried.items())
+    assert torch.equal(fresh.lm_head.weight, target.lm_head_weight_t()[:, torch.arange(0, 64, 2)].t())
+    shutil.move(out / "export", tmp_path / "earlier")  # a new fit in the same folder (same data, same target)
+    (out / "train_state.pt").unlink()
+    assert main(["train", "fit", "--tiny", "--out", str(plain), "--threads", "1"]) == 0  # an EAGLE-1/2 head
+    capsys.readouterr()
+    assert main(["train", "fit", *base, "--init-from", str(plain / "head")]) == 2
+    assert "is an EAGLE-1/2 head" in capsys.readouterr().err
+    assert main(["train", "fit", *base, "--init-from", str(tmp_path / "earlier")]) == 0
+    assert "warm start from the weights of" in capsys.readouterr().err
+
 
 def test_export_from_an_unfinished_run(tmp_path, capsys):
     import shutil

@@ -84,9 +84,9 @@ def add_parser(sub) -> None:
                         "computed anyway), not only on the response")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out scores (default 50)")
     g.add_argument("--init-from", default=None, metavar="HEAD",
-                   help="start from the weights of an earlier head (a folder in the EAGLE layout) instead of "
-                        "random ones: a warm start when more data arrives. The draft vocabulary is still "
-                        "chosen from this run's data")
+                   help="start from the weights of an earlier head (a folder: an EAGLE-1/2 head, or with "
+                        "--arch eagle3 an EAGLE-3 head reading the same layers) instead of random ones: a warm "
+                        "start when more data arrives. The draft vocabulary is still chosen from this run's data")
     g.add_argument("--fuse-layers", default=None, metavar="A,B",
                    help="make a head that also reads the target's residual stream at the inputs of these layers "
                         "(HF hidden_states indices, e.g. 2,15 of 30), fused into its input feature at committed "

@@ -169,6 +169,26 @@ def stage_layers(args, out: Path, target) -> None:
     log.finish(layers=list(layers), shards=len(state["shards"]))
 
 
+def _warm_start_eagle3(head, init_from: str, target) -> None:
+    """An earlier EAGLE-3 head's fc, midlayer and norm into ``head`` (trained on more data, say).
+    The draft vocabulary and its lm_head rows stay this run's (taken from its data and the target)."""
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.draft.eagle3 import Eagle3Head
+
+    earlier = load_head(init_from, target.info)
+    if not isinstance(earlier, Eagle3Head):
+        raise DdspecError(f"--init-from {init_from} is an EAGLE-1/2 head; an EAGLE-3 run starts from an EAGLE-3 head")
+    if earlier.capture_layers != head.capture_layers:
+        raise DdspecError(f"--init-from {init_from} reads target layers {list(earlier.capture_layers)}, this run's "
+                          f"data holds layers {list(head.capture_layers)}")
+    mine = head.state_dict()
+    carried = {k: v.float() for k, v in earlier.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    wrong = sorted(k for k, v in carried.items() if k not in mine or mine[k].shape != v.shape)
+    if wrong:
+        raise DdspecError(f"--init-from {init_from}: that head does not fit this target's EAGLE-3 head ({', '.join(wrong)})")
+    head.load_state_dict(carried, strict=False)
+
+
 def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None, fuse_layers: tuple[int, ...] = (),
               layers: int = 0):
     """The head to train: random, or warm-started from ``init_from``. ``layers`` = 0 keeps the
@@ -220,9 +240,8 @@ def stage_fit(args, out: Path, target) -> None:
         raise DdspecError(f"{out / 'data'} holds no layer states for an EAGLE-3 head "
                           f"({'layers ' + str(kept) if kept else 'none'}): make its data with "
                           f"`ddspec train data --arch eagle3 --out FOLDER` (a new folder)")
-    if eagle3 and (getattr(args, "fuse_layers", None) or getattr(args, "init_from", None)):
-        raise DdspecError("--fuse-layers and --init-from are for EAGLE-1/2 heads; an EAGLE-3 head reads its "
-                          "layers from the data stage and starts from the target's own lm_head and norm")
+    if eagle3 and getattr(args, "fuse_layers", None):
+        raise DdspecError("--fuse-layers is for EAGLE-1/2 heads; an EAGLE-3 head reads its layers from the data stage")
     fuse_layers = parse_layers(getattr(args, "fuse_layers", None), target.hf_config["num_hidden_layers"])
     if fuse_layers:
         attach_layer_states(sequences, out / "data", fuse_layers)
@@ -251,13 +270,15 @@ def stage_fit(args, out: Path, target) -> None:
 
         size = settings.draft_vocab or target.info.vocab_size
         head = new_eagle3_head(target, draft_vocabulary(sequences, size, target.info.vocab_size), tuple(kept))
+        if init_from:
+            _warm_start_eagle3(head, init_from, target)
     else:
         head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers)
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
     elif init_from:
-        log.info(f"warm start from the weights of {init_from} ({len(head.layers)}-layer head)")
+        log.info(f"warm start from the weights of {init_from} ({len(getattr(head, 'layers', [head]))}-layer head)")
     log.info(f"{len(sequences)} sequences, {len(trainer.batches)} batches per epoch, {trainer.total_steps} steps; "
              f"settings {settings}")
     with tqdm(total=trainer.total_steps, initial=trainer.step, desc="training", unit="step", file=sys.stderr,
