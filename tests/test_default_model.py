@@ -48,3 +48,19 @@ def test_shipped_head_is_the_default_and_lossless(default_native, monkeypatch):
         assert res.token_ids == ref.token_ids
         accepted += sum(s.accepted for s in res.stats.steps)
     assert accepted > 10  # a trained head: it drafts tokens the target accepts
+
+
+def test_the_default_tokenizer_loads_directly_and_equals_autotokenizer(default_native):
+    """tokenizer.json read directly (no model config, no modelling imports) gives AutoTokenizer's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ddspec.models.loading import load_tokenizer, resolve_model_dir
+
+    folder = resolve_model_dir("default")
+    direct, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(direct) is type(auto)
+    messages = [{"role": "user", "content": "Héllo <|im_end|> 中文 1234\n\tdef f(x): return x**2"}]
+    assert direct.apply_chat_template(messages, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, add_generation_prompt=True)
+    assert direct.eos_token_id == auto.eos_token_id and direct.all_special_ids == auto.all_special_ids
+    assert direct._tokenizer.to_str() == auto._tokenizer.to_str()

@@ -118,6 +118,86 @@ def test_gguf_blocks_are_matched_to_their_weights_and_a_mismatch_is_refused(tmp_
     assert torch.equal(blocks["embed_tokens.weight"](torch.eye(64)), deq["embed"].t())
 
 
+def test_remembered_row_orders_are_checked_and_a_wrong_one_is_matched_again(tmp_path, monkeypatch):
+    """The row permutations found once are remembered in a file; a later load checks a sample of
+    rows against them instead of matching every row, and a wrong or unreadable file only costs
+    the full matching again (the weights stay exact)."""
+    import gguf
+
+    from ddspec.models import gguf_blocks
+
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.2, (80, 64)).astype(np.float32)
+    raw = gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_tensor("blk.0.attn_k.weight", raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    deq = torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(80, 64).copy())
+    perm = torch.randperm(80, generator=torch.Generator().manual_seed(1))
+    dense = {"layers.0.self_attn.k_proj.weight": deq[perm]}
+    orders = tmp_path / "orders.npz"
+    name = "layers.0.self_attn.k_proj.weight"
+
+    first = gguf_blocks.native_weights(tmp_path / "m.gguf", dense, orders)
+    assert orders.is_file() and torch.equal(first[name](torch.eye(64)), deq[perm].t())
+    matched = []
+    real_row_order = gguf_blocks._row_order
+    monkeypatch.setattr(gguf_blocks, "_row_order", lambda *a: matched.append(1) or real_row_order(*a))
+    again = gguf_blocks.native_weights(tmp_path / "m.gguf", dense, orders)
+    assert matched == [] and torch.equal(again[name](torch.eye(64)), deq[perm].t())  # the remembered order
+
+    wrong = perm.numpy().copy()
+    wrong[[0, 79]] = wrong[[79, 0]]  # two rows swapped (the first and last are always sampled)
+    np.savez(orders, **{name: wrong})
+    assert not gguf_blocks._rows_match("q4_1", *gguf_blocks._split("q4_1", raw, 80), wrong, dense[name].numpy())
+    fixed = gguf_blocks.native_weights(tmp_path / "m.gguf", dense, orders)
+    assert matched == [1] and torch.equal(fixed[name](torch.eye(64)), deq[perm].t())
+    orders.write_bytes(b"not a npz file")
+    assert torch.equal(gguf_blocks.native_weights(tmp_path / "m.gguf", dense, orders)[name](torch.eye(64)),
+                       deq[perm].t())
+    assert len(matched) == 2
+
+
+def _fresh_native(monkeypatch, tmp_path, compiler: str | None):
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setattr(native, "_pending", None)
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path / "cache"))
+    if compiler is not None:
+        monkeypatch.setenv("CC", compiler)
+
+
+def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeypatch):
+    """start_build() starts the compiler without waiting; library() waits for it, moves the
+    library into the cache and loads it. (The compiler here copies the library this session
+    already built: the mechanics, not 25 s of gcc.)"""
+    built = native._library_path()
+    fake = tmp_path / "fake-cc"
+    fake.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nsleep 1\ncp "{built}" "$2"\n')
+    fake.chmod(0o755)
+    _fresh_native(monkeypatch, tmp_path, str(fake))
+    native.start_build()
+    assert native._pending is not None and native._pending.proc.poll() is None  # still compiling: not waited for
+    lib = native.library()
+    assert lib is not None and native._pending is None
+    folder = tmp_path / "cache" / "native"
+    assert [p.name for p in folder.iterdir()] == [native._library_path().name]  # no temporary file left
+    native.start_build()  # built: nothing to start
+    assert native._pending is None
+
+
+def test_a_failing_compiler_is_reported_and_torch_kernels_are_used(tmp_path, monkeypatch, capsys):
+    _fresh_native(monkeypatch, tmp_path, "/bin/false")
+    native.start_build()
+    assert native.library() is None
+    assert "could not build" in native.unavailable_reason() and "failed" in native.unavailable_reason()
+    assert "using torch's kernels" in capsys.readouterr().err
+    assert list((tmp_path / "cache" / "native").iterdir()) == []  # nothing half-written
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_layer_equals_the_torch_layer(tiny_dirs, family, monkeypatch):
     """Prefill, one token, and a tree (mask with holes) after a prefix: logits and the cache agree (1e-5)."""

@@ -13,6 +13,7 @@ that does not match exactly is simply not offered to the quantised kernel.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -104,6 +105,10 @@ def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
             etype, count = take("IQ")
             if etype in _SCALARS:
                 pos += _SCALARS[etype] * count
+            elif etype == 8:  # strings (the vocabulary): step over them without decoding
+                length = struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
             else:
                 for _ in range(count):
                     skip_value(etype)
@@ -142,9 +147,15 @@ def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     return out
 
 
-def native_weights(gguf: Path, dense: dict[str, torch.Tensor]) -> dict[str, NativeWeight]:
+def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | None = None) -> dict[str, NativeWeight]:
     """HF name -> quantised NativeWeight for every Q4_1 / Q8_0 tensor of ``gguf`` whose
-    dequantisation equals ``dense[name]`` exactly (after a row permutation, if any)."""
+    dequantisation equals ``dense[name]`` exactly (after a row permutation, if any).
+
+    ``orders``: a file remembering each tensor's row permutation from an earlier load. A
+    remembered permutation is checked on a sample of rows (bit for bit, as above) instead of
+    dequantising and matching every row again (about 2 s of each start for the default model)."""
+    known = _read_orders(orders)
+    found: dict[str, np.ndarray] = {}
     out: dict[str, NativeWeight] = {}
     skipped = []
     for gguf_name, (kind, raw) in quantised_tensors(gguf).items():
@@ -157,14 +168,69 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor]) -> dict[str, Nati
             skipped.append(name)
             continue
         qs, d, m = _split(kind, raw, rows)
-        order = _row_order(dequantize(kind, qs, d, m), target)
+        order = known.get(name)
+        if order is None or order.shape != (rows,) or not _rows_match(kind, qs, d, m, order, target):
+            order = _row_order(dequantize(kind, qs, d, m), target)
         if order is None:
             skipped.append(name)
             continue
+        found[name] = order
         pick = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
         qs_t, d_t, m_t = pick(qs), pick(d.astype(np.float32)), pick(None if m is None else m.astype(np.float32))
         out[name] = NativeWeight(kind, rows, target.shape[1], qs=qs_t, d=d_t, m=m_t)
     if skipped:
         print(f"ddspec: {len(skipped)} GGUF tensors do not match their fp32 weights exactly (e.g. {skipped[0]}); "
               "those use fp32 kernels", file=sys.stderr)
+    if orders is not None and (found.keys() != known.keys()
+                               or any(not np.array_equal(found[k], known[k]) for k in found)):
+        _write_orders(orders, found)
     return out
+
+
+SAMPLE_ROWS = 16
+
+
+def file_key(path: Path) -> str:
+    """Names a file by its path, size and modification time (cache entries derived from it)."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+
+
+def orders_path(gguf: Path) -> Path:
+    """Where the row permutations of this GGUF file's tensors are remembered (user cache)."""
+    from ddspec.machine import cache_root
+
+    return cache_root() / "gguf-rows" / f"{gguf.stem}-{file_key(gguf)}.npz"
+
+
+def _rows_match(kind: str, qs, d, m, order: np.ndarray, target: np.ndarray) -> bool:
+    """Whether rows ``order[i]`` of the GGUF tensor dequantise to ``target[i]`` exactly, checked
+    on SAMPLE_ROWS rows spread over the tensor (first and last included)."""
+    rows = target.shape[0]
+    idx = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).astype(np.int64))
+    if order.min() < 0 or order.max() >= rows:
+        return False
+    src = order[idx]
+    deq = dequantize(kind, qs[src], d[src], None if m is None else m[src])
+    return np.array_equal(deq.view(np.uint32), target[idx].view(np.uint32))
+
+
+def _read_orders(path: Path | None) -> dict[str, np.ndarray]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        with np.load(path) as f:
+            return {k: f[k].astype(np.int64) for k in f.files}
+    except (OSError, ValueError, KeyError):  # unreadable: match every row again and rewrite it
+        return {}
+
+
+def _write_orders(path: Path, orders: dict[str, np.ndarray]) -> None:
+    """Atomically; a cache that cannot be written only costs the matching again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **{k: v.astype(np.int32) for k, v in orders.items()})
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -317,9 +319,9 @@ class NativeLlama:
 
         if not native.available():
             return {}
-        from ddspec.models.gguf_blocks import native_weights
+        from ddspec.models.gguf_blocks import native_weights, orders_path
 
-        return native_weights(gguf, w)
+        return native_weights(gguf, w, orders_path(Path(gguf)))
 
     def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first

@@ -15,7 +15,6 @@ interrupted or failed conversion never leaves a half-written cache entry.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import os
@@ -50,9 +49,9 @@ def default_gguf_path() -> Path:
 
 
 def _gguf_cache_dir(gguf: Path, name: str | None = None) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_root() / "models" / f"{name or gguf.stem}-{key}"
+    from ddspec.models.gguf_blocks import file_key
+
+    return cache_root() / "models" / f"{name or gguf.stem}-{file_key(gguf)}"
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -179,10 +178,23 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+# tokenizer classes that are tokenizer.json read as it is: loaded directly, without AutoTokenizer
+# reading the model config (which imports much of transformers' modelling code: ~1.5 s a start)
+_PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(model_dir: Path):
     try:
+        tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_cfg = {}
+    try:
+        if tok_cfg.get("tokenizer_class") in _PLAIN_TOKENIZERS and (model_dir / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load the tokenizer of {model_dir}: {type(e).__name__}: {e}") from e
@@ -218,6 +230,10 @@ def load_target(
     """Load a target model: ``impl`` is auto (native when the family allows), native or hf."""
     if impl not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
+    if str(device).startswith("cpu"):
+        from ddspec import native
+
+        native.start_build()  # a first run compiles the C kernels while the model converts and loads
     model_dir = resolve_model_dir(spec)
     gguf = _gguf_source(spec)
     cfg = read_config(model_dir)

@@ -2,8 +2,9 @@
 
 :func:`library` returns the loaded library, or None when it cannot be had here (not x86-64
 with AVX2/FMA/F16C, no C compiler, ``DDSPEC_NATIVE=0``); callers then use torch's kernels, so
-nothing depends on it. The build takes about a second (plain C, no torch headers) and is
-cached per source, compiler and flags in ``<cache root>/native/``; it links the OpenMP runtime
+nothing depends on it. The build (plain C, no torch headers, -O3: about 25 s of one core) is
+cached per source, compiler and flags in ``<cache root>/native/``, and :func:`start_build`
+runs it in the background while a model loads; it links the OpenMP runtime
 torch already loaded (libgomp), so both share one thread pool.
 
 :class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 /
@@ -15,6 +16,7 @@ whole decoder layer; :func:`layer_array` and :func:`layers_forward` run consecut
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -63,21 +65,75 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build(out: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+class _Build:
+    """One compiler run writing ``out`` through a temporary file (renamed into place only when it
+    succeeds), started without waiting: the -O3 build of the kernels takes about 25 s of one core,
+    so :func:`start_build` runs it while the caller does other work (converting the model,
+    loading weights) and :func:`library` waits for it only when the kernels are needed."""
+
+    def __init__(self, out: Path) -> None:
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
+        os.close(fd)
+        self.out, self.compiler = out, compiler
+        self.proc = subprocess.Popen([compiler, *FLAGS, str(SOURCE), "-o", self.tmp, "-lm"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        atexit.register(self.abandon)
+
+    def wait(self) -> None:
+        try:
+            _, err = self.proc.communicate()
+            if self.proc.returncode:
+                raise RuntimeError(f"{self.compiler} failed: {err.strip()[:500]}")
+            os.replace(self.tmp, self.out)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop the compiler if it still runs (the process is exiting) and remove the temporary file."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+_pending: _Build | None = None
+
+
+def _enabled() -> str | None:
+    """Why the kernels cannot be used here, or None."""
+    if os.environ.get("DDSPEC_NATIVE", "1").strip() in ("0", "off", "no", "false"):
+        return "disabled by DDSPEC_NATIVE=0"
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return "needs an x86-64 CPU with AVX2, FMA and F16C"
+    return None
+
+
+def _library_path() -> Path:
+    from ddspec.machine import cache_root
+
+    return cache_root() / "native" / f"ddspec_kernels-{build_id()}.so"
+
+
+def start_build() -> None:
+    """Start compiling the kernels in the background when they are not built yet (no-op
+    otherwise, and when they cannot be used here); :func:`library` finishes the job."""
+    global _pending
+    if _lib is not None or _why_not is not None or _pending is not None or _enabled() is not None:
+        return
+    path = _library_path()
+    if path.is_file():
+        return
+    print("ddspec: compiling ddspec's CPU kernels in the background (once, about 25 s of one core)",
+          file=sys.stderr)
     try:
-        res = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(f"{compiler} failed: {res.stderr.strip()[:500]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _pending = _Build(path)
+    except (OSError, RuntimeError):
+        _pending = None  # library() tries again in the foreground and reports the error
 
 
 def build_id() -> str:
@@ -88,22 +144,23 @@ def build_id() -> str:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built once per machine), or None; :func:`unavailable_reason` says why."""
-    global _lib, _why_not
+    global _lib, _why_not, _pending
     if _lib is not None or _why_not is not None:
         return _lib
-    from ddspec.machine import cache_root
-
-    if os.environ.get("DDSPEC_NATIVE", "1").strip() in ("0", "off", "no", "false"):
-        _why_not = "disabled by DDSPEC_NATIVE=0"
+    _why_not = _enabled()
+    if _why_not is not None:
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        _why_not = "needs an x86-64 CPU with AVX2, FMA and F16C"
-        return None
-    path = cache_root() / "native" / f"ddspec_kernels-{build_id()}.so"
+    path = _library_path()
     try:
         if not path.is_file():
-            print("ddspec: compiling ddspec's CPU kernels (once, about a second)", file=sys.stderr)
-            _build(path)
+            build, _pending = _pending, None
+            if build is not None and build.out != path:  # started for another cache root
+                build.abandon()
+                build = None
+            if build is None:
+                print("ddspec: compiling ddspec's CPU kernels (once, about 25 s)", file=sys.stderr)
+                build = _Build(path)
+            build.wait()
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
         _why_not = f"could not build or load {path.name}: {e}"
@@ -144,8 +201,25 @@ class NativeWeight:
         self.kind, self.out_features, self.in_features = kind, out, inp
         self.rows = (w, qs, d, m)
         self.bias = None if bias is None else bias.float().contiguous()
-        self.packed = _pack(kind, out, inp, w, qs, d, m)  # w, qs, d, m in the group layout
-        self.struct = _Weight(KINDS[kind], out, inp, *(_ptr(t) for t in self.packed), _ptr(self.bias))
+        if inp % 32 and kind not in ("f32", *HALVES):
+            raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
+        self._packed: tuple | None = None
+        self._struct: _Weight | None = None
+
+    # packed on first use: a weight that is only stacked into another (q, k, v) is never packed
+    @property
+    def packed(self) -> tuple:
+        """w, qs, d, m in the group layout."""
+        if self._packed is None:
+            self._packed = _pack(self.kind, self.out_features, self.in_features, *self.rows)
+        return self._packed
+
+    @property
+    def struct(self) -> _Weight:
+        if self._struct is None:
+            self._struct = _Weight(KINDS[self.kind], self.out_features, self.in_features,
+                                   *(_ptr(t) for t in self.packed), _ptr(self.bias))
+        return self._struct
 
     @classmethod
     def dense(cls, w_oi: torch.Tensor, bias: torch.Tensor | None = None) -> "NativeWeight":
@@ -210,8 +284,6 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
         return grouped(w.float()), None, None, None
     if kind in HALVES:
         return grouped(w.to(HALVES[kind])), None, None, None
-    if inp % 32:
-        raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
     nb = inp // 32
     if kind == "q4_1":
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
