@@ -181,10 +181,9 @@ class PackedEagle3Head:
         kernel = self.plan.kernel(n)
         if kernel == "native" and self._array is not None:
             e = rms_norm(embeds[0], self.norms["input_layernorm"], a.rms_eps).float().contiguous()
-            h = features[0].float().clone()
-            flat = None if mask is None else mask.reshape(n, -1).to(torch.bool).contiguous()
-            native_lib.layers_forward(self._array, 0, 1, h, positions.to(torch.int64).contiguous(), self.rotary.cos,
-                                      self.rotary.sin, cache.keys[0:1, 0], cache.values[0:1, 0], cache.length, flat, e)
+            flat = None if mask is None else mask.reshape(n, -1)
+            h = native_layers_forward(None, features[0].float().clone(), self.rotary, positions, cache, flat,
+                                      array=self._array, extra=e)
             cache.advance(n)
             return h.view(1, n, -1)
         nq, nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim

@@ -90,7 +90,7 @@ class LlamaLayer:
 
     blocks: GGUF blocks of some weights by name (models/gguf_blocks.py), read by the ``native``
     kernel instead of the fp32 values. With ``native`` among the kernels, ``self.fused``
-    describes the whole layer to ``dd_layer_forward``."""
+    describes the whole layer to ``dd_layers_forward``."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, plan: KernelPlan,
                  kernels: set[str] | None = None, blocks: dict | None = None) -> None:
@@ -134,29 +134,33 @@ def _native_parts(blocks: dict | None, kernels: set[str]):
     return parts
 
 
-def native_layers_forward(layers: list[LlamaLayer], x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
+def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
                           cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
-                          first: int = 0, array=None) -> torch.Tensor:
+                          first: int = 0, array=None, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder layers through ``dd_layers_forward``, in place on x [N, H]: one C call for all
     of them (one per stretch between the layers in ``hidden_layers``).
 
     The same maths as :func:`layer_forward`; the new keys and values go into ``cache`` (layer
     ``first + i``) at its current length. mask: [N, length + N] bool or None (see everything).
     Residual streams entering the layers in ``hidden_layers`` are copied into ``hidden``.
-    array: ``native.layer_array`` of the layers' structs, when the caller keeps one."""
+    array: ``native.layer_array`` of the layers' structs, when the caller keeps one (``layers``
+    may then be None).
+    extra: [N, width] rows that layers built with ``extra`` read before their normed input (an
+    EAGLE-3 midlayer's normed embeddings)."""
     from ddspec.native import layer_array, layers_forward
 
     x = x.contiguous()
     positions = positions.to(torch.int64).contiguous()
     mask = None if mask is None else mask.to(torch.bool).contiguous()
     array = layer_array([layer.fused for layer in layers]) if array is None else array
+    count = len(array)
     done = 0
-    for cut in sorted({i for i in hidden_layers if 0 <= i < len(layers)}) + [len(layers)]:
+    for cut in sorted({i for i in hidden_layers if 0 <= i < count}) + [count]:
         if cut > done:
             layers_forward(array, done, cut - done, x, positions, rotary.cos, rotary.sin,
                            cache.keys[first + done:first + cut, 0], cache.values[first + done:first + cut, 0],
-                           cache.length, mask)
-        if cut < len(layers):
+                           cache.length, mask, extra)
+        if cut < count:
             hidden[cut] = x.clone()
         done = cut
     return x

@@ -806,17 +806,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
     return 0;
 }
 
-int dd_layer_forward(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
-                     const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
-                     const uint8_t *mask, int nthreads) {
-    float *buf = malloc(sizeof(float) * (size_t)layer_scratch(L, n, start + n));
-    if (!buf) return 2;
-    const int rc = layer_forward_buf(L, x, n, pos, cos_t, sin_t, kc, vc, tmax, start, mask, nthreads, NULL, buf);
-    free(buf);
-    return rc;
-}
-
-/* Layers [0, count) of `layers` in order, in place on x: dd_layer_forward for each, layer i
+/* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each), layer i
  * using the cache at kc + i * layer_stride (and vc likewise). One call per forward instead of
  * one per layer; extra: [n, extra] for the layers that read one (NULL when none does). Returns 0,
  * or the first nonzero code with the failing layer's index * 8 added. */
