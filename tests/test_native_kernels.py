@@ -4,6 +4,8 @@ layer's maths, and every method stays lossless with them."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -179,12 +181,17 @@ def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeyp
     fake.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\nsleep 1\ncp "{built}" "$2"\n')
     fake.chmod(0o755)
     _fresh_native(monkeypatch, tmp_path, str(fake))
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True)
+    stale, recent = folder / "killed-build.so.tmp", folder / "running-build.so.tmp"
+    stale.write_bytes(b"")
+    recent.write_bytes(b"")
+    os.utime(stale, (0, 0))  # left by a build killed long ago; `recent` may be another process's
     native.start_build()
     assert native._pending is not None and native._pending.proc.poll() is None  # still compiling: not waited for
     lib = native.library()
     assert lib is not None and native._pending is None
-    folder = tmp_path / "cache" / "native"
-    assert [p.name for p in folder.iterdir()] == [native._library_path().name]  # no temporary file left
+    assert sorted(p.name for p in folder.iterdir()) == sorted([native._library_path().name, recent.name])
     native.start_build()  # built: nothing to start
     assert native._pending is None
 

@@ -76,6 +76,7 @@ class _Build:
         if compiler is None:
             raise RuntimeError("no C compiler (cc/gcc) on PATH")
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(out.parent)
         fd, self.tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
         os.close(fd)
         self.out, self.compiler = out, compiler
@@ -102,6 +103,18 @@ class _Build:
 
 
 _pending: _Build | None = None
+
+
+def _remove_stale(folder: Path, age_s: float = 3600.0) -> None:
+    """Temporary outputs of builds whose process was killed outright (no exit handler ran)."""
+    import time
+
+    for path in folder.glob("*.so.tmp"):
+        try:
+            if time.time() - path.stat().st_mtime > age_s:
+                path.unlink()
+        except OSError:
+            pass
 
 
 def _enabled() -> str | None:
