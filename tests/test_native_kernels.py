@@ -172,7 +172,7 @@ def _fresh_native(monkeypatch, tmp_path, compiler: str | None):
         monkeypatch.setenv("CC", compiler)
 
 
-def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeypatch):
+def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeypatch, capsys):
     """start_build() starts the compiler without waiting; library() waits for it, moves the
     library into the cache and loads it. (The compiler here copies the library this session
     already built: the mechanics, not 25 s of gcc.)"""
@@ -191,6 +191,8 @@ def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeyp
     assert native._pending is not None and native._pending.proc.poll() is None  # still compiling: not waited for
     lib = native.library()
     assert lib is not None and native._pending is None
+    err = capsys.readouterr().err
+    assert "compiling ddspec's CPU kernels in the background" in err and "waiting for the kernel build" in err
     assert sorted(p.name for p in folder.iterdir()) == sorted([native._library_path().name, recent.name])
     native.start_build()  # built: nothing to start
     assert native._pending is None

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -79,12 +80,15 @@ class _Build:
         _remove_stale(out.parent)
         fd, self.tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
         os.close(fd)
-        self.out, self.compiler = out, compiler
+        self.out, self.compiler, self.started = out, compiler, time.monotonic()
         self.proc = subprocess.Popen([compiler, *FLAGS, str(SOURCE), "-o", self.tmp, "-lm"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         atexit.register(self.abandon)
 
     def wait(self) -> None:
+        if self.proc.poll() is None:
+            print(f"ddspec: waiting for the kernel build to finish (started {time.monotonic() - self.started:.0f} s ago)",
+                  file=sys.stderr)
         try:
             _, err = self.proc.communicate()
             if self.proc.returncode:
@@ -107,8 +111,6 @@ _pending: _Build | None = None
 
 def _remove_stale(folder: Path, age_s: float = 3600.0) -> None:
     """Temporary outputs of builds whose process was killed outright (no exit handler ran)."""
-    import time
-
     for path in folder.glob("*.so.tmp"):
         try:
             if time.time() - path.stat().st_mtime > age_s:
