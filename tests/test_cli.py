@@ -19,6 +19,20 @@ def test_help_lists_commands():
     assert "generate" in out.stdout and "chat" in out.stdout
 
 
+def test_help_does_not_load_torch():
+    """`ddspec --help` (and every command's) answers at once: the parser imports no torch (3 s)."""
+    code = ("import sys, ddspec.cli\n"
+            "for cmd in ('generate', 'chat', 'bench', 'train', 'serve', 'calibrate', 'tune'):\n"
+            "    try:\n"
+            "        ddspec.cli.main([cmd, '--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import ConfigError, DdspecError
 from ddspec.machine import core_count
 from ddspec.methods import METHODS
 
 EXAMPLE_PROMPT = "Explain in three sentences why the sky is blue."
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices (torch is imported only when a command runs:
+# `ddspec --help` answers at once)
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype choice."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target implementation: native (fast, Llama/Mistral/Qwen2) or hf "
                         "(any transformers causal LM); auto picks native when it can")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
-    g.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+    g.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weight and activation dtype (default float32; bf16/fp16 are very slow on CPUs "
                         "without native support)")
     g.add_argument("--threads", type=int, default=core_count(),
@@ -110,6 +116,8 @@ def tree_from_args(args: argparse.Namespace) -> TreeConfig:
 
 
 def setup_torch(args: argparse.Namespace) -> None:
+    import torch
+
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)

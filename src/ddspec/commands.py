@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddspec.args import EXAMPLE_PROMPT, DTYPES, sampling_from_args, setup_torch, stop_from_args, tree_from_args
+from ddspec.args import EXAMPLE_PROMPT, sampling_from_args, setup_torch, stop_from_args, torch_dtype, tree_from_args
 from ddspec.config import StopConfig
 from ddspec.engine import Engine, RunStats
 from ddspec.errors import DdspecError
@@ -21,7 +21,7 @@ def build_engine(args: argparse.Namespace, notices: list[str]) -> Engine:
     from ddspec.methods import default_method, make_drafter
     from ddspec.models.loading import load_target
 
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
     method = default_method(target, args.head) if args.method == "auto" else args.method
     engine = Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling)
     engine.method = method
@@ -138,7 +138,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         for entry in (cache_root() / "kernels").glob("*.json"):
             entry.unlink(missing_ok=True)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
     drafter = EagleDrafter(resolve_head(args.head, target), target, tree_config("eagle2", tree))
     if args.show:
         store = CostStore(cost_key(target, drafter.head, drafter.cfg.top_k))

@@ -71,7 +71,7 @@ def grid(depths, top_ks, sizes) -> list[tuple[int, int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from ddspec.bench.prompts import load_prompts
-    from ddspec.args import DTYPES, setup_torch, tree_from_args
+    from ddspec.args import setup_torch, torch_dtype, tree_from_args
     from ddspec.config import StopConfig
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.engine import Engine
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     base = tree_from_args(args)
     prompts = load_prompts(args.prompts, args.limit)
     setup_torch(args)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
     head = resolve_head(args.head, target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

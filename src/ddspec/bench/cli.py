@@ -95,13 +95,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _hf_model(args: argparse.Namespace, target):
     """The HF transformers model for the hf arms: the target's own when it is an HF target."""
-    from ddspec.args import DTYPES
+    from ddspec.args import torch_dtype
     from ddspec.models.hf_adapter import HFTarget
     from ddspec.models.loading import load_target
 
     if isinstance(target, HFTarget):
         return target.model
-    return load_target(args.model, impl="hf", device=args.device, dtype=DTYPES[args.dtype]).model
+    return load_target(args.model, impl="hf", device=args.device, dtype=torch_dtype(args.dtype)).model
 
 
 def _meta(args, parser, methods: list[str], target) -> dict:
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ddspec.bench.prompts import load_prompts
     from ddspec.bench.report import render_table, write_summary
     from ddspec.bench.runner import Bench, RecordLog, build_arms, check_run_dir, parse_methods
-    from ddspec.args import DTYPES, sampling_from_args, setup_torch, tree_from_args
+    from ddspec.args import sampling_from_args, setup_torch, torch_dtype, tree_from_args
     from ddspec.config import StopConfig
     from ddspec.models.loading import load_target
 
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_run_dir(out, settings, args.resume)
     # 2. Models and arms.
     setup_torch(args)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
     arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target), args.model,
                       args.threads)
     meta = _meta(args, parser, methods, target)

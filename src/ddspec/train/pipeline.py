@@ -51,7 +51,7 @@ class StageLog:
 
 
 def _setup(args: argparse.Namespace):
-    from ddspec.args import DTYPES, setup_torch
+    from ddspec.args import setup_torch, torch_dtype
     from ddspec.models.loading import load_target
 
     setup_torch(args)
@@ -65,7 +65,7 @@ def _setup(args: argparse.Namespace):
         if not (tiny / "config.json").is_file():
             make_tiny_model_dir(tiny, "llama", seed=0, hidden=64, layers=2, max_position=1024)
         model = str(tiny)
-    target = load_target(model, impl="native", device=args.device, dtype=DTYPES[args.dtype])
+    target = load_target(model, impl="native", device=args.device, dtype=torch_dtype(args.dtype))
     return out, target
 
 
