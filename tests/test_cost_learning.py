@@ -22,6 +22,15 @@ from ddspec.tree import expand_level, expand_root
 from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, LearnedCosts, linear_cost
 
 VOCAB, K = 50, 10
+
+
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch):
+    """Write-backs are refused while other programs load the CPU (a test run may share it): these
+    tests see a quiet machine unless they say otherwise."""
+    from ddspec.machine import OtherLoad
+
+    monkeypatch.setattr(OtherLoad, "share", lambda self: 0.0)
 SMALL = TreeConfig(top_k=4, depth=4, total_tokens=14, ddd_check_depths=(2, 4), max_depth=5)
 
 
@@ -119,6 +128,43 @@ def test_learned_costs_rescale_unobserved_sizes_from_observed_ones():
     assert costs.drift() == pytest.approx(math.log(10))
 
 
+def test_a_curve_that_says_one_token_costs_more_than_four_is_cut_down():
+    """A calibration (or write-back) made while the CPU was busy can say verifying one token costs
+    more than four; the policy uses what the larger sizes show instead, for drafted trees and for
+    the plain step it compares them with."""
+    poisoned = CostModel(verify_ms={1: 50.0, 2: 50.0, 3: 30.0, 4: 17.0, 8: 28.0}, draft_root_ms=1.0,
+                         draft_level_ms=2.0, other_ms=2.0)
+    assert poisoned.verify(torch.tensor([1, 3, 6])).tolist() == [17.0, 17.0, 22.5]
+    costs = LearnedCosts(poisoned)
+    assert [costs.current.verify_ms[n] for n in (1, 2, 3, 4, 8)] == [19.0, 19.0, 19.0, 19.0, 30.0]
+    assert costs.plain_estimate() == 17.0  # not the calibration's 50 ms: no plain step observed yet
+    costs.observe(4, 1, draft_ms=1.0, verify_ms=9.5, gap_ms=0.0, drafted=True)  # drafted steps run 2x faster
+    assert costs.plain_estimate() == pytest.approx(9.5)  # a one-token step cannot cost more than that
+    costs.observe(1, 0, draft_ms=0.0, verify_ms=8.0, gap_ms=0.0, drafted=False)
+    assert costs.plain_estimate() == 8.0  # observed
+
+
+def test_a_poisoned_calibration_does_not_hide_better_plain_steps():
+    """The calibration says a one-token step costs 10x the truth; plain steps verify lookup chains
+    (two tokens a step, which never teach the one-token cost) and drafting does not pay. The
+    policy still finds out within a few hundred steps and settles on plain steps."""
+    poisoned = CostModel(verify_ms={n: t * (10 if n <= 2 else 1) for n, t in TRUE.verify_ms.items()},
+                         draft_root_ms=TRUE.draft_root_ms, draft_level_ms=TRUE.draft_level_ms, other_ms=TRUE.other_ms)
+    policy = CostAwarePolicy(poisoned, AcceptanceModel(), max_depth=11, max_tokens=60)
+    choices = []
+    for _ in range(300):
+        drafting = policy.draft_now()
+        choices.append(drafting)
+        if drafting:
+            levels, scores = draft(policy)
+            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
+            n = scores.numel() + 1
+            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + TRUE.other_ms, 0.0)
+        else:  # a lookup chain of 3 nodes, two of them accepted
+            policy.observe_step(2, 3, 0.0, TRUE.verify(torch.tensor([3])).item(), 0.0)
+    assert sum(choices[-100:]) <= 100 / policy.explore_close + 2  # plain steps, but for exploration
+
+
 def test_plain_steps_when_drafting_does_not_pay():
     # a draft that is never accepted: drafting only adds cost, so the policy settles on plain
     # steps, and still tries drafting now and then so that a better draft would be noticed
@@ -184,6 +230,38 @@ def test_engine_learns_from_an_injected_clock_and_rewrites_a_bad_cache_entry(tin
     assert entry["source"] == "learned"  # the planted entry was corrected for the next run
     assert entry["verify_ms"]["1"] == pytest.approx(TRUE.verify_ms[1], rel=0.3)
     assert probe.hidden_layers == ()
+
+
+def test_costs_learned_while_other_programs_load_the_cpu_are_not_saved(tiny_targets, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    from ddspec.machine import OtherLoad
+    from ddspec.methods import make_drafter
+
+    monkeypatch.setattr(OtherLoad, "share", lambda self: 0.9)
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    store = CostStore(cost_key(target, head, SMALL.top_k))
+    assert store.write(Measurement(planted_wrong(TRUE), spread=0.0))
+    before = store.path.read_text()
+    drafter = make_drafter("ddspec", target, head, SMALL)
+    drafter.cost_policy.drift_limit, drafter.cost_policy.min_steps = -1.0, 1  # a write-back is due at once
+    Engine(target, drafter).generate([5, 17, 33], StopConfig(max_new_tokens=12, stop_on_eos=False))
+    err = capsys.readouterr().err
+    assert "other programs used 90% of the CPU" in err and "not saved" in err
+    assert store.path.read_text() == before
+
+
+def test_other_programs_share_of_the_cpu_is_measured():
+    from ddspec.machine import OtherLoad, cpu_busy_seconds
+
+    if cpu_busy_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    probe = OtherLoad()
+    x = 0
+    for i in range(2_000_000):  # this process's own work is not counted as others'
+        x += i
+    share = probe.share()
+    assert share is not None and 0.0 <= share <= 1.0
 
 
 def test_corrupt_cost_entry_is_measured_again_with_a_notice(tiny_targets, tmp_path, monkeypatch, capsys):

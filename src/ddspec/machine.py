@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -41,3 +42,37 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def cpu_busy_seconds() -> tuple[float, float] | None:
+    """(CPU seconds all programs have spent busy, CPU seconds this process has spent) since boot
+    and since it started, from /proc/stat and os.times(); None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    t = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+
+
+class OtherLoad:
+    """How much of the CPU other programs used since this object was made: the share of the
+    cores' time that was busy outside this process (0 = a quiet machine, 1 = every core taken)."""
+
+    def __init__(self) -> None:
+        self.start, self.wall = cpu_busy_seconds(), time.monotonic()
+
+    def share(self) -> float | None:
+        now = cpu_busy_seconds()
+        if now is None or self.start is None:
+            return None
+        wall = time.monotonic() - self.wall
+        if wall <= 0:
+            return None
+        others = (now[0] - self.start[0]) - (now[1] - self.start[1])
+        return max(0.0, others) / (wall * (os.cpu_count() or 1))

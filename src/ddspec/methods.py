@@ -114,21 +114,35 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
     return cost_aware_drafter(head, target, cfg, notify)
 
 
+BUSY_SHARE = 0.25  # other programs' share of the CPU above which learned costs are not written back
+
+
 def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs.
 
     The costs come from the calibration cache (measured on first use); the policy corrects them
     from the step times it observes and, when they disagree persistently with the cached entry,
-    writes what it learned back to the cache at once and passes a one-line notice to ``notify``
+    writes what it learned back to the cache at once (unless other programs took more than
+    BUSY_SHARE of the CPU meanwhile) and passes a one-line notice to ``notify``
     (default: stderr at once; the CLI holds it until the answer has been written)."""
     from ddspec.calibrate import Measurement, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
+    from ddspec.machine import OtherLoad
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
 
     probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))
     calibration, store = load_or_measure(target, probe)
 
+    others = OtherLoad()
+
     def persist(learned) -> None:
+        # costs learned while other programs took the CPU describe that moment, not this machine:
+        # keep them for this run only (the calibration's own rule: it measures again when noisy)
+        share = others.share()
+        if share is not None and share > BUSY_SHARE:
+            notify(f"ddspec: the measured step costs differ from the cached calibration, but other programs used "
+                   f"{share:.0%} of the CPU meanwhile: not saved ({store.path} unchanged)")
+            return
         if store.write(Measurement(learned, spread=0.0, source="learned")):
             notify(f"ddspec: the measured step costs differ from the cached calibration; updated {store.path}")
 

@@ -31,6 +31,17 @@ import torch
 SCORE_EDGES = (-12.0, -8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.05)
 
 
+def monotone(verify_ms: dict[int, float]) -> dict[int, float]:
+    """Verifying more tokens never costs less than fewer (one could pad), so a curve that says
+    otherwise (measured while the CPU was busy, or noise between neighbours) is cut down to what
+    its larger sizes show: T(n) = min over m >= n of T(m). A one-token step then never looks
+    dearer than a bigger tree, which would otherwise make plain steps look worse than they are."""
+    out, cheapest = {}, math.inf
+    for n in sorted(verify_ms, reverse=True):
+        cheapest = out[n] = min(verify_ms[n], cheapest)
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class CostModel:
     """Measured times (ms) of one step's pieces; verify_ms is interpolated between measured N."""
@@ -43,6 +54,7 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.verify_ms or any(n < 1 or t <= 0 for n, t in self.verify_ms.items()):
             raise ValueError(f"verify_ms needs positive times for N >= 1, got {self.verify_ms}")
+        self.verify_ms = monotone(self.verify_ms)
         pts = sorted(self.verify_ms.items())
         self._n = torch.tensor([p[0] for p in pts], dtype=torch.float64)
         self._t = torch.tensor([p[1] for p in pts], dtype=torch.float64)
@@ -155,7 +167,8 @@ class LearnedCosts:
 
     def _rebuild(self) -> CostModel:
         base = self.base
-        phase = {n: (base.verify_ms[n] + base.other_ms) * math.exp(r) for n, r in zip(self.sizes, self._ratios())}
+        phase = monotone({n: (base.verify_ms[n] + base.other_ms) * math.exp(r)
+                          for n, r in zip(self.sizes, self._ratios())})
         # until a level is seen, levels follow the root's correction, but only downwards: a real
         # step's root also pays the policy's own bookkeeping, which the calibration's bare root
         # distribution does not (4 ms vs 0.5 ms here), and a level believed dear is never drafted,
@@ -163,6 +176,15 @@ class LearnedCosts:
         level = self.level_ms if self.level_seen else base.draft_level_ms * min(
             1.0, self.root_ms / max(base.draft_root_ms, 1e-6))
         return CostModel(verify_ms=phase, draft_root_ms=self.root_ms, draft_level_ms=level, other_ms=self.gap_ms)
+
+    def plain_estimate(self) -> float:
+        """ms of a plain step's verify phase: observed, else the calibration's one-token forward,
+        but never more than the corrected curve says a drafted step's one-token phase takes (which
+        adds the head's refresh): a calibration made under load is corrected by drafted steps
+        even when every plain step verifies a lookup chain (those do not teach ``plain_ms``)."""
+        if self.plain_seen:
+            return self.plain_ms
+        return min(self.plain_ms, self.current.verify_ms[self.sizes[0]])
 
     def drift(self) -> float:
         """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed."""
@@ -301,7 +323,7 @@ class CostAwarePolicy:
         per plain step's cost."""
         if self._plain_steps >= self.min_drafted and self._plain_ms_sum > 0:
             return self._plain_tokens / self._plain_ms_sum
-        return 1.0 / (self.costs.plain_ms + self.costs.gap_ms)
+        return 1.0 / (self.costs.plain_estimate() + self.costs.gap_ms)
 
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
@@ -342,7 +364,7 @@ class CostAwarePolicy:
             if self._plain_weight > 0:  # what recent plain steps (with their lookup chains) took
                 self.prediction = (self._plain_tokens / self._plain_weight, self._plain_ms_sum / self._plain_weight)
             else:
-                self.prediction = (1.0, self.costs.plain_ms + self.costs.gap_ms)
+                self.prediction = (1.0, self.costs.plain_estimate() + self.costs.gap_ms)
         return choice
 
     # -- the DepthPolicy protocol -------------------------------------------------------------
