@@ -60,6 +60,9 @@ def cpu_busy_seconds() -> tuple[float, float] | None:
     return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
 
 
+BUSY_SHARE = 0.25  # other programs' share of the CPU above which a timing is not kept for later runs
+
+
 class OtherLoad:
     """How much of the CPU other programs used since this object was made: the share of the
     cores' time that was busy outside this process (0 = a quiet machine, 1 = every core taken)."""

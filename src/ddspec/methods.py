@@ -114,9 +114,6 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
     return cost_aware_drafter(head, target, cfg, notify)
 
 
-BUSY_SHARE = 0.25  # other programs' share of the CPU above which learned costs are not written back
-
-
 def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs.
 
@@ -127,7 +124,7 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     (default: stderr at once; the CLI holds it until the answer has been written)."""
     from ddspec.calibrate import Measurement, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
-    from ddspec.machine import OtherLoad
+    from ddspec.machine import BUSY_SHARE, OtherLoad
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
 
     probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))

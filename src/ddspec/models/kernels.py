@@ -212,13 +212,14 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
 
     The cache key names the CPU, torch build, thread count, dtype, the shapes and ``variant``
     (how the weights are stored, e.g. which are GGUF blocks); a forced
-    kernel (``DDSPEC_KERNEL``) or a single candidate skips measuring.
+    kernel (``DDSPEC_KERNEL``) or a single candidate skips measuring. A choice timed while other
+    programs used more than ``BUSY_SHARE`` of the CPU is used but not cached.
     """
     import hashlib
     import json
     import sys
 
-    from ddspec.machine import cache_root, cpu_name
+    from ddspec.machine import BUSY_SHARE, OtherLoad, cache_root, cpu_name
 
     forced = forced_kernel()
     options = candidates(device, dtype)
@@ -241,7 +242,15 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
             return KernelPlan(tuple(data["kernels"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, stale or unreadable: measure
+    others = OtherLoad()
     plan = measure(options)
+    share = others.share()
+    if share is not None and share > BUSY_SHARE:
+        # timed while other programs took the CPU: our threads waited on theirs, which favours
+        # whichever kernel minds it least, not the fastest one here; use it now, measure again next time
+        print(f"ddspec: other programs used {share:.0%} of the CPU while the kernels for {name} were timed: "
+              "this choice is not cached", file=sys.stderr)
+        return plan
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -138,7 +138,7 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
                           cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
                           first: int = 0, array=None, extra: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder layers through ``dd_layers_forward``, in place on x [N, H]: one C call for all
-    of them (one per stretch between the layers in ``hidden_layers``).
+    of them, which also copies the residual streams of ``hidden_layers`` out on the way.
 
     The same maths as :func:`layer_forward`; the new keys and values go into ``cache`` (layer
     ``first + i``) at its current length. mask: [N, length + N] bool or None (see everything).
@@ -154,15 +154,11 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
     mask = None if mask is None else mask.to(torch.bool).contiguous()
     array = layer_array([layer.fused for layer in layers]) if array is None else array
     count = len(array)
-    done = 0
-    for cut in sorted({i for i in hidden_layers if 0 <= i < count}) + [count]:
-        if cut > done:
-            layers_forward(array, done, cut - done, x, positions, rotary.cos, rotary.sin,
-                           cache.keys[first + done:first + cut, 0], cache.values[first + done:first + cut, 0],
-                           cache.length, mask, extra)
-        if cut < count:
-            hidden[cut] = x.clone()
-        done = cut
+    capture = {i: torch.empty_like(x) for i in hidden_layers if 0 <= i < count}
+    layers_forward(array, 0, count, x, positions, rotary.cos, rotary.sin, cache.keys[first:first + count, 0],
+                   cache.values[first:first + count, 0], cache.length, mask, extra, capture)
+    if capture:
+        hidden.update(capture)
     return x
 
 

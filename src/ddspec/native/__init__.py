@@ -186,7 +186,7 @@ def library() -> ctypes.CDLL | None:
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
@@ -365,16 +365,22 @@ def set_attention(mode: str) -> None:
 
 def layers_forward(array, first: int, count: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   mask: torch.Tensor | None, extra: torch.Tensor | None = None) -> None:
+                   mask: torch.Tensor | None, extra: torch.Tensor | None = None,
+                   capture: dict[int, torch.Tensor] | None = None) -> None:
     """Layers [first, first + count) of ``array`` in place on x [n, H], in one C call. keys/values:
     the caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
-    extra: [n, E] fp32 contiguous, for layers built with ``extra=E``."""
+    extra: [n, E] fp32 contiguous, for layers built with ``extra=E``. capture: {i: out} with out
+    [n, H] fp32 contiguous, filled with x as it enters layer first + i."""
     n = x.shape[0]
     layer0 = ctypes.cast(ctypes.byref(array, first * ctypes.sizeof(_Layer)), ctypes.POINTER(_Layer))
+    slots = None
+    if capture:
+        slots = (ctypes.c_void_p * count)(*[capture[i].data_ptr() if i in capture else None for i in range(count)])
     rc = library().dd_layers_forward(
         layer0, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
-        None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr())
+        None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr(),
+        slots)
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {first + rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")

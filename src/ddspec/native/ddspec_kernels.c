@@ -808,11 +808,14 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
 
 /* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each), layer i
  * using the cache at kc + i * layer_stride (and vc likewise). One call per forward instead of
- * one per layer; extra: [n, extra] for the layers that read one (NULL when none does). Returns 0,
- * or the first nonzero code with the failing layer's index * 8 added. */
+ * one per layer; extra: [n, extra] for the layers that read one (NULL when none does); capture:
+ * NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
+ * layer i (the residual streams a draft head reads). Returns 0, or the first nonzero code with
+ * the failing layer's index * 8 added. */
 int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
                       const float *cos_t, const float *sin_t, float *kc, float *vc, int64_t layer_stride,
-                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra) {
+                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra,
+                      float *const *capture) {
     int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
         const int64_t need = layer_scratch(layers + i, n, start + n);
@@ -822,6 +825,7 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     if (!buf) return 2;
     int rc = 0;
     for (int64_t i = 0; i < count && !rc; i++) {
+        if (capture && capture[i]) memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
         rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
                                tmax, start, mask, nthreads, extra, buf);
         if (rc) rc += 8 * (int)i;
