@@ -128,6 +128,24 @@ def test_learned_costs_rescale_unobserved_sizes_from_observed_ones():
     assert costs.drift() == pytest.approx(math.log(10))
 
 
+def never_accepted(policy: CostAwarePolicy, steps: int, verify_extra_ms: float,
+                   plain: tuple[int, int, float]) -> list[bool]:
+    """Steps whose drafts are never accepted (drafting only adds cost); a plain step yields
+    ``plain`` = (tokens, verified nodes, verify ms). Returns whether each step drafted."""
+    choices = []
+    for _ in range(steps):
+        drafting = policy.draft_now()
+        choices.append(drafting)
+        if drafting:
+            levels, scores = draft(policy)
+            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
+            n = scores.numel() + 1
+            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + verify_extra_ms, 0.0)
+        else:
+            policy.observe_step(plain[0], plain[1], 0.0, plain[2], 0.0)
+    return choices
+
+
 def test_a_curve_that_says_one_token_costs_more_than_four_is_cut_down():
     """A calibration (or write-back) made while the CPU was busy can say verifying one token costs
     more than four; the policy uses what the larger sizes show instead, for drafted trees and for
@@ -151,17 +169,8 @@ def test_a_poisoned_calibration_does_not_hide_better_plain_steps():
     poisoned = CostModel(verify_ms={n: t * (10 if n <= 2 else 1) for n, t in TRUE.verify_ms.items()},
                          draft_root_ms=TRUE.draft_root_ms, draft_level_ms=TRUE.draft_level_ms, other_ms=TRUE.other_ms)
     policy = CostAwarePolicy(poisoned, AcceptanceModel(), max_depth=11, max_tokens=60)
-    choices = []
-    for _ in range(300):
-        drafting = policy.draft_now()
-        choices.append(drafting)
-        if drafting:
-            levels, scores = draft(policy)
-            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
-            n = scores.numel() + 1
-            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + TRUE.other_ms, 0.0)
-        else:  # a lookup chain of 3 nodes, two of them accepted
-            policy.observe_step(2, 3, 0.0, TRUE.verify(torch.tensor([3])).item(), 0.0)
+    lookup_step = (2, 3, TRUE.verify(torch.tensor([3])).item())  # a lookup chain of 3 nodes, two accepted
+    choices = never_accepted(policy, 300, verify_extra_ms=TRUE.other_ms, plain=lookup_step)
     assert sum(choices[-100:]) <= 100 / policy.explore_close + 2  # plain steps, but for exploration
 
 
@@ -169,18 +178,7 @@ def test_plain_steps_when_drafting_does_not_pay():
     # a draft that is never accepted: drafting only adds cost, so the policy settles on plain
     # steps, and still tries drafting now and then so that a better draft would be noticed
     policy = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
-    plain_ms = TRUE.verify(torch.tensor([1])).item()
-    choices = []
-    for _ in range(300):
-        drafting = policy.draft_now()
-        choices.append(drafting)
-        if drafting:
-            levels, scores = draft(policy)
-            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
-            n = scores.numel() + 1
-            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + 5.0, 0.0)
-        else:
-            policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
+    choices = never_accepted(policy, 300, verify_extra_ms=5.0, plain=(1, 1, TRUE.verify(torch.tensor([1])).item()))
     assert sum(choices[-200:]) <= 200 / policy.explore_close + 2  # plain steps, but for exploration
     assert any(choices[-200:])  # exploration continues
     first_plain = choices.index(False)

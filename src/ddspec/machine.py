@@ -79,3 +79,8 @@ class OtherLoad:
             return None
         others = (now[0] - self.start[0]) - (now[1] - self.start[1])
         return max(0.0, others) / (wall * (os.cpu_count() or 1))
+
+    def too_busy(self) -> float | None:
+        """The share when it exceeds BUSY_SHARE (a timing then is not kept for later runs), else None."""
+        share = self.share()
+        return share if share is not None and share > BUSY_SHARE else None

@@ -124,7 +124,7 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     (default: stderr at once; the CLI holds it until the answer has been written)."""
     from ddspec.calibrate import Measurement, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
-    from ddspec.machine import BUSY_SHARE, OtherLoad
+    from ddspec.machine import OtherLoad
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
 
     probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))
@@ -135,8 +135,8 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     def persist(learned) -> None:
         # costs learned while other programs took the CPU describe that moment, not this machine:
         # keep them for this run only (the calibration's own rule: it measures again when noisy)
-        share = others.share()
-        if share is not None and share > BUSY_SHARE:
+        share = others.too_busy()
+        if share is not None:
             notify(f"ddspec: the measured step costs differ from the cached calibration, but other programs used "
                    f"{share:.0%} of the CPU meanwhile: not saved ({store.path} unchanged)")
             return

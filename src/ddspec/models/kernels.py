@@ -219,7 +219,7 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
     import json
     import sys
 
-    from ddspec.machine import BUSY_SHARE, OtherLoad, cache_root, cpu_name
+    from ddspec.machine import OtherLoad, cache_root, cpu_name
 
     forced = forced_kernel()
     options = candidates(device, dtype)
@@ -244,8 +244,8 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
         pass  # missing, stale or unreadable: measure
     others = OtherLoad()
     plan = measure(options)
-    share = others.share()
-    if share is not None and share > BUSY_SHARE:
+    share = others.too_busy()
+    if share is not None:
         # timed while other programs took the CPU: our threads waited on theirs, which favours
         # whichever kernel minds it least, not the fastest one here; use it now, measure again next time
         print(f"ddspec: other programs used {share:.0%} of the CPU while the kernels for {name} were timed: "
