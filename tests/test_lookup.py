@@ -82,17 +82,59 @@ def test_ddspec_plain_steps_verify_lookup_chains_and_the_head_catches_up(tiny_ta
     choices = iter([True, False, False, False] * 100)
     monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda: next(choices))
     prompt, stop = PROMPTS[0], StopConfig(max_new_tokens=60, stop_on_eos=False)
-    res = Engine(target, drafter).generate(prompt, stop)
+    engine = Engine(target, drafter)
+    res = engine.generate(prompt, stop)
     assert res.token_ids == Engine(target).generate(prompt, stop).token_ids
     free = [s for i, s in enumerate(res.stats.steps) if i % 4 and s.tree_size > 1]  # plain steps with a chain
     assert free and sum(s.accepted for s in free) > 0
     drafter._flush_pending()
     caught_up = drafter.root_hidden.clone()
     # the same sequence taken in by a fresh drafter in one prefill: the same head state at the end
-    seq = torch.tensor(prompt + res.token_ids[:-1])
+    # (the caches' sequence: the last step may have accepted tokens past the budget, not emitted)
+    seq, root = torch.tensor(engine._held), engine._held_root
+    assert engine._held[: len(prompt) + len(res.token_ids) - 1] == prompt + res.token_ids[:-1]
     target.reset(128)
     out = target.forward(seq, torch.arange(len(seq)), None, drafter.hidden_layers)
     fresh = eagle(target, "ddspec")
     fresh.reset(128)
-    fresh.prefill(seq, out, torch.tensor(res.token_ids[-1]))
+    fresh.prefill(seq, out, torch.tensor(root))
     assert torch.allclose(caught_up, fresh.root_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_ddspec_drafted_trees_carry_the_lookup_chain(tiny_targets, monkeypatch):
+    """When the cost-aware method drafts with the head, the lookup's chain (if the context's ending
+    occurred before) is merged into the tree: outputs stay identical to plain decoding, the merged
+    nodes get accepted on repetitive text, and the acceptance map learns from the head's nodes only."""
+    from test_spec_engine import eagle
+
+    target = tiny_targets[("llama", "native")]
+    drafter = eagle(target, "ddspec")
+    drafter.lookup = LookupDrafter(max_position=target.info.max_position)
+    policy = drafter.cost_policy
+    monkeypatch.setattr(policy, "draft_now", lambda: True)
+    trees, learned, grafts = [], [], []
+    propose, observe, observe_graft = drafter.propose, policy.observe, policy.observe_graft
+
+    def spy_propose(root, position):
+        tree = propose(root, position)
+        trees.append((tree.size, drafter._head_nodes))
+        return tree
+
+    def spy_observe(scores, accepted):
+        learned.append((scores.numel(), trees[-1][1]))
+        observe(scores, accepted)
+
+    def spy_graft(accepted):
+        grafts.append(accepted)
+        observe_graft(accepted)
+
+    monkeypatch.setattr(drafter, "propose", spy_propose)
+    monkeypatch.setattr(policy, "observe", spy_observe)
+    monkeypatch.setattr(policy, "observe_graft", spy_graft)
+    stop = StopConfig(max_new_tokens=60, stop_on_eos=False)
+    for prompt in PROMPTS[:3]:
+        assert Engine(target, drafter).generate(prompt, stop).token_ids == Engine(target).generate(prompt, stop).token_ids
+    assert any(size > head for size, head in trees), "no drafted tree carried a lookup chain"
+    assert all(size <= drafter.max_tree_size for size, _ in trees)
+    assert sum(grafts) > 0 and policy.graft_gain > 0  # merged nodes were accepted, and the forecast knows it
+    assert all(n == head - 1 for n, head in learned)  # scores of the head's drafted nodes only

@@ -279,3 +279,22 @@ def test_make_depth_policy_follows_the_tree_config():
     assert (ddd.threshold, ddd.check_depths, ddd.max_depth) == (-0.5, frozenset({2}), 4)
     with pytest.raises(ConfigError, match="dynamic"):
         make_depth_policy(TreeConfig(shape="chain", depth_policy="ddd"))
+
+
+def test_with_chain_follows_matching_nodes_and_appends_the_rest():
+    # root 1 -> 2 -> 3, and root -> 4
+    tree = DraftTree(torch.tensor([1, 2, 4, 3]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]),
+                     torch.tensor([0.0, -0.1, -0.5, -0.3]))
+    merged, added = tree.with_chain([2, 3, 7, 8])  # follows 2 -> 3, then appends 7 -> 8 under node 3
+    assert added == 2 and merged.size == 6
+    assert merged.tokens.tolist() == [1, 2, 4, 3, 7, 8]
+    assert merged.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert merged.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert merged.scores.tolist()[4:] == pytest.approx([-0.3, -0.3])  # scored like their parent
+    branch, added = tree.with_chain([4, 9])  # a new child under the existing node 4
+    assert added == 1 and branch.parents.tolist()[-1] == 2 and branch.depths.tolist()[-1] == 2
+    new_root_child, added = tree.with_chain([5, 6], max_depth=1)  # depth-limited: only the first token fits
+    assert added == 1 and new_root_child.tokens.tolist()[-1] == 5 and new_root_child.parents.tolist()[-1] == 0
+    for chain in ([], [2, 3]):  # nothing new: the same tree object
+        same, added = tree.with_chain(chain)
+        assert same is tree and added == 0

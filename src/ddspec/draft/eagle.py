@@ -105,6 +105,7 @@ class EagleDrafter:
         self._pending: list[tuple[TargetOutput, torch.Tensor]] = []
         self._plain_step = False
         self._caught_up = False  # this step's draft time includes catching the head up
+        self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -115,7 +116,7 @@ class EagleDrafter:
             size = self.cfg.depth + 1
         else:
             size = self.cfg.total_tokens
-        return size if self.lookup is None else max(size, self.lookup.max_tree_size)
+        return size if self.lookup is None else size + self.lookup.depth  # a drafted tree may carry its chain
 
     def _max_draft_slots(self) -> int:
         if self.static is not None:
@@ -194,9 +195,12 @@ class EagleDrafter:
                                                {i: h[path] for i, h in target_out.hidden_states.items()}), nxt))
             return
         if self.cost_policy is not None and tree.size > 1:
-            accepted = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
-            accepted[verdict.path] = True
-            self.cost_policy.observe(tree.scores[1:], accepted[1:])
+            n = self._head_nodes  # the acceptance map learns from the head's nodes only
+            accepted = torch.zeros(n, dtype=torch.bool, device=tree.tokens.device)
+            accepted[verdict.path[verdict.path < n]] = True
+            self.cost_policy.observe(tree.scores[1:n], accepted[1:])
+            if tree.size > n:
+                self.cost_policy.observe_graft(int((verdict.path >= n).sum()))
         self.cache.truncate(self.committed)
         path = verdict.path
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
@@ -232,6 +236,7 @@ class EagleDrafter:
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
         self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now())
         self._caught_up = False
+        self._head_nodes = 1
         if self._plain_step:
             if too_deep and self.cost_policy is not None:
                 self.cost_policy.drafting, self.cost_policy.levels = False, 0
@@ -272,8 +277,15 @@ class EagleDrafter:
             level += 1
         if cost is not None:
             total = cost.tree_size(candidates.scores)
-        tree = rerank(candidates, root, total)
-        return self._to_target_vocab(tree)
+        tree = self._to_target_vocab(rerank(candidates, root, total))
+        self._head_nodes = tree.size
+        if cost is not None and self.lookup is not None:
+            # the lookup's chain, where the context's ending occurred before, costs nothing to draft:
+            # merged into the tree it adds a few verified rows and often tokens the head missed
+            tree, added = tree.with_chain(self.lookup.continuation(), max_depth=self._room)
+            if added:
+                cost.note_graft(self._head_nodes, added)
+        return tree
 
     @staticmethod
     def _continue(policy, level: int, candidates, frontier: torch.Tensor, best_child: torch.Tensor) -> bool:

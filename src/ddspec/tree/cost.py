@@ -22,6 +22,7 @@ short chain; with a costly draft level it stops earlier. Pure tensor code: no mo
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class CostModel:
         pts = sorted(self.verify_ms.items())
         self._n = torch.tensor([p[0] for p in pts], dtype=torch.float64)
         self._t = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+        self._table: list[float] = []  # verify(1), verify(2), ... as floats (see verify_list)
 
     def verify(self, n: torch.Tensor) -> torch.Tensor:
         """ms of verifying n tokens, n [M] -> [M] (linear between points, linear beyond the last two)."""
@@ -68,6 +70,14 @@ class CostModel:
         idx = torch.searchsorted(xs, n).clamp(1, xs.numel() - 1)
         x0, x1, t0, t1 = xs[idx - 1], xs[idx], ts[idx - 1], ts[idx]
         return (t0 + (t1 - t0) * (n - x0) / (x1 - x0)).clamp(min=float(ts[0]))
+
+    def verify_list(self, n_max: int) -> list[float]:
+        """[verify(1), ..., verify(n_max)] as Python floats, computed once per size: the policy
+        reads it several times a step, where a dozen tensor ops per call would cost more than
+        a draft level's matmuls."""
+        if len(self._table) < n_max:
+            self._table = self.verify(torch.arange(1, max(n_max, 2 * len(self._table)) + 1)).tolist()
+        return self._table
 
     def draft(self, levels: int) -> float:
         return self.draft_root_ms + max(0, levels - 1) * self.draft_level_ms
@@ -86,6 +96,7 @@ class AcceptanceModel:
     edges: torch.Tensor = field(default_factory=lambda: torch.tensor(SCORE_EDGES, dtype=torch.float64))
     accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SCORE_EDGES) + 1, dtype=torch.float64))
     seen: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SCORE_EDGES) + 1, dtype=torch.float64))
+    _lists: tuple | None = field(default=None, repr=False, compare=False)  # (edges, accepted, seen) as lists
 
     def _bins(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(scores.to(torch.float64), self.edges)
@@ -103,6 +114,19 @@ class AcceptanceModel:
         b = self._bins(scores)
         self.seen.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
         self.accepted.index_add_(0, b, accepted.to(torch.float64))
+        self._lists = None
+
+    def prob_list(self, scores: list[float]) -> list[float]:
+        """:meth:`prob` on Python floats (the same bins, prior and counts; no tensor ops)."""
+        if self._lists is None:
+            self._lists = (self.edges.tolist(), self.accepted.tolist(), self.seen.tolist())
+        edges, acc, seen = self._lists
+        w = self.prior_weight
+        out = []
+        for s in scores:
+            b = bisect.bisect_left(edges, s)  # torch.bucketize's bins (right=False)
+            out.append((acc[b] + w * math.exp(min(s, 0.0))) / (seen[b] + w))
+        return out
 
     def state(self) -> dict:
         return {"edges": self.edges.tolist(), "accepted": self.accepted.tolist(), "seen": self.seen.tolist()}
@@ -287,6 +311,8 @@ class CostAwarePolicy:
         self._backoff = 1  # multiplies the wait before drafting is tried again (see draft_now)
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
+        # lookup chains merged into drafted trees (EagleDrafter): their accepted nodes per step so far
+        self.graft_gain, self._graft_seen = 0.0, 0.0
 
     @property
     def cost(self) -> CostModel:
@@ -300,21 +326,33 @@ class CostAwarePolicy:
     # -- the rate ----------------------------------------------------------------------------
     def rates(self, scores: torch.Tensor, levels: int) -> torch.Tensor:
         """rate for N = 1 .. min(M + 1, max_tokens) verified nodes (root included) -> [N]."""
-        return self._gain(scores) / self._step_ms(scores, levels)
+        return torch.tensor(self._rates(scores.tolist(), levels), dtype=torch.float64)
 
-    def _gain(self, scores: torch.Tensor) -> torch.Tensor:
-        best = torch.sort(scores.to(torch.float64), descending=True).values[: self.max_tokens - 1]
-        return 1 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(self.acceptance.prob(best), 0)])
+    def _gains(self, scores: list[float]) -> list[float]:
+        """Expected tokens of verifying the root and the N - 1 best nodes, for N = 1, 2, ..."""
+        best = sorted(scores, reverse=True)[: self.max_tokens - 1]
+        gains = [1.0]
+        for p in self.acceptance.prob_list(best):
+            gains.append(gains[-1] + p)
+        return gains
 
-    def _step_ms(self, scores: torch.Tensor, levels: int) -> torch.Tensor:
-        n = torch.arange(1, min(scores.numel(), self.max_tokens - 1) + 2)
+    def _step_ms(self, n: int, levels: int) -> float:
         cost = self.cost
-        return cost.draft(levels) + cost.verify(n) + cost.other_ms
+        return cost.draft(levels) + cost.verify_list(n)[n - 1] + cost.other_ms
 
-    def best(self, scores: torch.Tensor, levels: int) -> tuple[int, float]:
-        r = self.rates(scores, levels)
-        i = int(torch.argmax(r))  # host sync: the policy's named decision point
-        return i + 1, float(r[i])
+    def _rates(self, scores: list[float], levels: int) -> list[float]:
+        """The rates on Python floats: the policy runs this a few times per level, and on a CPU a
+        few dozen small tensor ops cost about a millisecond, as much as a draft level's matmuls."""
+        gains = self._gains(scores)
+        cost = self.cost
+        verify, fixed = cost.verify_list(len(gains)), cost.draft(levels) + cost.other_ms
+        return [g / (fixed + verify[i]) for i, g in enumerate(gains)]
+
+    def best(self, scores: torch.Tensor | list[float], levels: int) -> tuple[int, float]:
+        """(N, rate) of the best verified size for these scores (the first N on ties)."""
+        r = self._rates(scores if isinstance(scores, list) else scores.tolist(), levels)  # host sync: a decision point
+        i = max(range(len(r)), key=r.__getitem__)
+        return i + 1, r[i]
 
     # -- drafting or a plain step ---------------------------------------------------------------
     def plain_rate(self) -> float:
@@ -377,28 +415,41 @@ class CostAwarePolicy:
             self.child_logprob = 0.9 * self.child_logprob + 0.1 * float(level_logprobs.mean())
         if level >= self.max_depth:
             return False
-        scores = frontier_scores if candidate_scores is None else candidate_scores
+        frontier = frontier_scores.tolist()
+        scores = frontier if candidate_scores is None else candidate_scores.tolist()
         self.syncs += 1
         _, now = self.best(scores, level)
-        projected = torch.cat([scores, frontier_scores + self.child_logprob])
-        _, after = self.best(projected, level + 1)
+        _, after = self.best(scores + [s + self.child_logprob for s in frontier], level + 1)
         return after > now
 
     def tree_size(self, candidate_scores: torch.Tensor) -> int:
         """Total verified nodes (root included) that maximise the rate for the drafted levels."""
         levels = max(1, self.levels)
-        n, _ = self.best(candidate_scores, levels)
+        scores = candidate_scores.tolist()
+        n, _ = self.best(scores, levels)
         if self._probe_size:
             bigger = [m for m in self.costs.sizes if m > n]
             n = min(bigger[0] if bigger else n + 1, candidate_scores.numel() + 1, self.max_tokens)
             self._since_size_probe = 0
         else:
             self._since_size_probe += 1
-        self.prediction = (float(self._gain(candidate_scores)[n - 1]), float(self._step_ms(candidate_scores, levels)[n - 1]))
+        self.prediction = (self._gains(scores)[n - 1], self._step_ms(n, levels))
         return n
 
     def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
         self.acceptance.update(scores, accepted)
+
+    def note_graft(self, size: int, added: int) -> None:
+        """This step verifies ``added`` nodes of a lookup chain beyond the ``size`` chosen: its
+        forecast gains what such chains have yielded per step so far, and their verify cost."""
+        tokens, ms = self.prediction
+        verify = self.cost.verify_list(size + added)
+        self.prediction = (tokens + self.graft_gain, ms + verify[size + added - 1] - verify[size - 1])
+
+    def observe_graft(self, accepted: int) -> None:
+        """How many merged lookup nodes the step just verified accepted (decayed mean)."""
+        self._graft_seen = self._graft_seen * 0.9 + 1.0
+        self.graft_gain += (accepted - self.graft_gain) / self._graft_seen
 
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float | None, verify_ms: float,
                      gap_ms: float) -> None:

@@ -84,6 +84,33 @@ class DraftTree:
         scores = torch.cat([logprobs.new_zeros(1).float(), logprobs.float().cumsum(0)])  # [d+1]
         return cls(torch.cat([root, tokens.long()]), steps - 1, steps, scores)
 
+    def with_chain(self, chain: list[int], max_depth: int | None = None) -> tuple[DraftTree, int]:
+        """This tree with ``chain`` (tokens following the root) merged in as a path: the chain
+        follows existing nodes while their tokens agree and continues as new nodes appended at
+        the end (each scored like its parent: no draft log-prob of their own), at most
+        ``max_depth`` deep. Returns (tree, nodes added). Host sync: the tree is read to lists."""
+        if not chain:
+            return self, 0
+        tokens, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+        scores = self.scores.tolist()
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+        node, added = 0, 0
+        for token in chain:
+            if max_depth is not None and depths[node] + 1 > max_depth:
+                break
+            child = children.get((node, token))
+            if child is None:
+                child = len(tokens)
+                tokens.append(token), parents.append(node), depths.append(depths[node] + 1), scores.append(scores[node])
+                added += 1
+            node = child
+        if not added:
+            return self, 0
+        dev = self.tokens.device
+        return DraftTree(torch.tensor(tokens, dtype=torch.int64, device=dev), torch.tensor(parents, dtype=torch.int64, device=dev),
+                         torch.tensor(depths, dtype=torch.int64, device=dev),
+                         torch.tensor(scores, dtype=torch.float32, device=dev)), added
+
     def attention_mask(self) -> torch.Tensor:
         """[N, N] bool: row i is True exactly at i's ancestors and at i itself.
 
