@@ -335,3 +335,31 @@ def test_the_cache_update_notice_waits_until_the_answer_is_written(tiny_dirs, tm
     assert out.index("[ddspec] tau") < out.index(notice)  # after the answer and both summary lines
     entries = [json.loads(p.read_text()) for p in (tmp_path / "costs").glob("*.json")]
     assert [e["source"] for e in entries] == ["learned"]
+
+
+def test_the_choice_follows_whether_this_step_has_a_lookup_chain():
+    """Where the context's ending occurred before, a plain step verifies the lookup's chain and
+    yields several tokens; elsewhere it yields one. Drafting pays against the second, not the
+    first: the policy decides per step, from the rate of plain steps like the one at hand."""
+    policy = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
+    lookup_ms, plain_ms = TRUE.verify(torch.tensor([4])).item(), TRUE.verify(torch.tensor([1])).item()
+    choices = {True: [], False: []}
+    for step in range(400):
+        chain = step % 3 == 0  # one step in three has a chain
+        drafting = policy.draft_now(chain)
+        choices[chain].append(drafting)
+        if drafting:  # the best path's first two nodes accepted: 3 tokens
+            levels, scores = draft(policy)
+            accepted = torch.zeros(scores.numel(), dtype=torch.bool)
+            accepted[:2] = True
+            policy.observe(scores, accepted)
+            n = scores.numel() + 1
+            policy.observe_step(3, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + TRUE.other_ms, 0.0)
+        elif chain:  # a 3-token chain, all accepted: 4 tokens
+            policy.observe_step(4, 4, 0.0, lookup_ms, 0.0)
+        else:
+            policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
+    assert policy.plain_rate(True) > policy.draft_rate() > policy.plain_rate(False)
+    late = {c: v[-60:] for c, v in choices.items()}
+    assert sum(late[True]) <= 60 / policy.explore_close + 2  # chain steps stay plain, but for exploration
+    assert sum(late[False]) >= 60 - (60 / policy.explore_close + 2)  # the others draft

@@ -81,3 +81,25 @@ def test_verify_interpolation():
     cost = CostModel(verify_ms={1: 10.0, 4: 16.0, 16: 40.0}, draft_root_ms=0, draft_level_ms=0)
     got = cost.verify(torch.tensor([1, 2, 4, 10, 16, 32]))
     assert torch.allclose(got, torch.tensor([10.0, 12.0, 16.0, 28.0, 40.0, 72.0], dtype=torch.float64))
+
+
+def test_frontier_keeps_only_nodes_whose_children_could_be_verified():
+    """After continue_after, the head runs on the frontier nodes ranked within the size the policy
+    expects to verify (+1 of slack): a steep verify curve leaves a few rows of ten; a flat one
+    keeps them all; the best frontier node always stays."""
+    for verify in (linear_cost(10.0, 1.0), linear_cost(10.0, 0.5), flat_cost()):
+        p = policy(verify)
+        candidates, frontier = expand_root(synthetic_logprobs(1)[0], K)
+        assert p.continue_after(1, candidates.scores[frontier], candidates.scores, candidates.scores[:1])
+        kept = frontier[p.frontier_keep(candidates.scores, frontier)]
+        assert kept.numel() == min(p.next_size, K) and 0 in kept.tolist()  # the best root child stays
+        if verify != flat_cost():
+            assert kept.numel() < K
+        dropped = [i for i in frontier.tolist() if i not in kept.tolist()]
+        if dropped:  # every dropped node scores no better than the kept ones
+            assert candidates.scores[dropped].max() <= candidates.scores[kept].min()
+    p = policy(linear_cost(10.0, 1.0))
+    p.next_size = 1  # even when nothing more is expected to fit, the best node stays
+    scores = torch.tensor([-2.0, -0.1, -3.0])
+    assert p.frontier_keep(scores, torch.tensor([0, 1, 2])).tolist() == [False, True, False]
+    assert p.frontier_keep(scores, torch.tensor([2, 0])).tolist() == [False, True]

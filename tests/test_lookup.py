@@ -80,7 +80,7 @@ def test_ddspec_plain_steps_verify_lookup_chains_and_the_head_catches_up(tiny_ta
 
     drafter.lookup = LookupDrafter(max_position=target.info.max_position)
     choices = iter([True, False, False, False] * 100)
-    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda: next(choices))
+    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda chain=None: next(choices))
     prompt, stop = PROMPTS[0], StopConfig(max_new_tokens=60, stop_on_eos=False)
     engine = Engine(target, drafter)
     res = engine.generate(prompt, stop)
@@ -111,7 +111,7 @@ def test_ddspec_drafted_trees_carry_the_lookup_chain(tiny_targets, monkeypatch):
     drafter = eagle(target, "ddspec")
     drafter.lookup = LookupDrafter(max_position=target.info.max_position)
     policy = drafter.cost_policy
-    monkeypatch.setattr(policy, "draft_now", lambda: True)
+    monkeypatch.setattr(policy, "draft_now", lambda chain=None: True)
     trees, learned, grafts = [], [], []
     propose, observe, observe_graft = drafter.propose, policy.observe, policy.observe_graft
 

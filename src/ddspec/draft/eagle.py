@@ -234,7 +234,8 @@ class EagleDrafter:
         # a node at depth d sits at position + d, which must stay inside the context window
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
-        self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now())
+        chain = None if self.lookup is None else bool(self.lookup.continuation())
+        self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now(chain))
         self._caught_up = False
         self._head_nodes = 1
         if self._plain_step:
@@ -263,6 +264,10 @@ class EagleDrafter:
         level = 1
         best_child = candidates.scores[:1]  # the best root child's log-prob
         while level < self._room and self._continue(policy, level, candidates, frontier, best_child):
+            if cost is not None:  # the head runs only on the frontier nodes whose children could be verified
+                keep = cost.frontier_keep(candidates.scores, frontier)
+                if not bool(keep.all()):
+                    frontier, parent_hidden, parent_slot = frontier[keep], parent_hidden[keep], parent_slot[keep]
             mask = slots.add(parent_slot)
             first_slot = slots.rows.shape[0] - frontier.numel()
             hidden = self._run(parent_hidden, self.to_target_ids(candidates.tokens[frontier]),

@@ -299,6 +299,7 @@ class CostAwarePolicy:
         self.persist, self.drift_limit, self.min_steps = persist, drift_limit, min_steps
         self.syncs = 0
         self.levels = 0
+        self.next_size = max_tokens  # verified size expected after the next level (continue_after)
         self.drafting = True  # the choice made for the current step
         self.prediction: tuple[float, float] = (1.0, 0.0)  # (expected tokens, expected ms) of the current step
         # expected rate of drafted steps (the forecasts, with the costs and acceptance learned so
@@ -307,6 +308,8 @@ class CostAwarePolicy:
         # measured, of plain steps (lookup chains included): decayed sums of tokens, ms and steps
         self._plain_tokens = self._plain_ms_sum = self._plain_weight = 0.0
         self._plain_steps = 0
+        self._chain_tokens = self._chain_ms = 0.0  # ... of the plain steps that verified a lookup chain
+        self._chain_steps = 0
         self._since_plain = self._since_draft = 0
         self._backoff = 1  # multiplies the wait before drafting is tried again (see draft_now)
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
@@ -355,10 +358,17 @@ class CostAwarePolicy:
         return i + 1, r[i]
 
     # -- drafting or a plain step ---------------------------------------------------------------
-    def plain_rate(self) -> float:
+    def plain_rate(self, chain: bool | None = None) -> float:
         """Tokens per ms of the steps that leave the head out: measured (decayed sums of their tokens
         and times, lookup chains included) once there are ``min_drafted`` of them, else one token
-        per plain step's cost."""
+        per plain step's cost. ``chain``: whether this step has a lookup chain to verify (None:
+        not known). Without one, a plain step is one token at a plain step's cost; with one, the
+        measured rate of the plain steps that had a chain (the pooled rate until there are
+        ``min_drafted`` of them): the choice is made for the step at hand, not on average."""
+        if chain is False:
+            return 1.0 / (self.costs.plain_estimate() + self.costs.gap_ms)
+        if chain and self._chain_steps >= self.min_drafted and self._chain_ms > 0:
+            return self._chain_tokens / self._chain_ms
         if self._plain_steps >= self.min_drafted and self._plain_ms_sum > 0:
             return self._plain_tokens / self._plain_ms_sum
         return 1.0 / (self.costs.plain_estimate() + self.costs.gap_ms)
@@ -371,19 +381,23 @@ class CostAwarePolicy:
         unlucky step must not switch drafting off)."""
         return self._draft_tokens / self._draft_ms if self._drafted >= self.min_drafted else None
 
-    def draft_now(self) -> bool:
+    def draft_now(self, chain: bool | None = None) -> bool:
         """Draft this step, or verify the root alone without touching the head (plain decoding's
-        cost)? Whichever has the higher expected rate (costs and acceptance as learned so far); the
+        cost; with the lookup's chain when ``chain``, see :meth:`plain_rate`)? Whichever has the
+        higher expected rate (costs and acceptance as learned so far; the first ``min_drafted``
+        steps with a chain verify it, to learn what such steps yield); the
         other is tried every ``explore_close`` steps when the two are within 25%, every
         ``explore_far`` otherwise, so neither estimate goes stale. A drafted try costs a catch-up
         of the head and a tree (about two plain steps): while drafting stays the worse choice
         after each try, the wait before the next one doubles (up to ``max_backoff`` times)."""
         drafted = self.draft_rate()
         explore = False
-        if drafted is None:
+        if chain and self._chain_steps < self.min_drafted:
+            choice = False  # verifying a lookup chain costs about a plain step: learn what such steps yield
+        elif drafted is None:
             choice = True
         else:
-            plain = self.plain_rate()
+            plain = self.plain_rate(chain)
             ratio = drafted / plain
             every = self.explore_close if 0.8 <= ratio <= 1.25 else self.explore_far
             choice = ratio >= 1.0
@@ -419,8 +433,25 @@ class CostAwarePolicy:
         scores = frontier if candidate_scores is None else candidate_scores.tolist()
         self.syncs += 1
         _, now = self.best(scores, level)
-        _, after = self.best(scores + [s + self.child_logprob for s in frontier], level + 1)
+        self.next_size, after = self.best(scores + [s + self.child_logprob for s in frontier], level + 1)
         return after > now
+
+    def frontier_keep(self, candidate_scores: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
+        """[k] bool: which frontier nodes (candidate indices) are worth running the head on.
+
+        A child never scores above its parent, so a frontier node ranked below the best
+        ``next_size`` drafted candidates (the size :meth:`continue_after` expects to verify after
+        the next level, plus one node of slack; ties ranked by index) cannot have a child in that
+        tree: its row would only make the level dearer. The best frontier node is always kept."""
+        m = candidate_scores.numel()
+        if self.next_size >= m:
+            return torch.ones(frontier.shape, dtype=torch.bool, device=frontier.device)
+        order = torch.argsort(candidate_scores, descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(m, device=order.device)
+        keep = rank[frontier] < self.next_size
+        keep[rank[frontier].argmin()] = True
+        return keep
 
     def tree_size(self, candidate_scores: torch.Tensor) -> int:
         """Total verified nodes (root included) that maximise the rate for the drafted levels."""
@@ -469,6 +500,11 @@ class CostAwarePolicy:
             self._plain_ms_sum = self._plain_ms_sum * d + verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
             self._plain_weight = self._plain_weight * d + 1.0
             self._plain_steps += 1
+            if tree_size > 1:  # it verified a lookup chain
+                step_ms = verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
+                self._chain_tokens = self._chain_tokens * d + tokens
+                self._chain_ms = self._chain_ms * d + step_ms
+                self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift() > self.drift_limit):
