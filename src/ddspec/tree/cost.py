@@ -15,9 +15,11 @@ times come from measurements of this target + head + device (:class:`CostModel`)
   best child's log-prob), and stops when one more level is not expected to pay.
 - *Size*: the verified node count N is the argmax of the rate over the reranked candidates.
 
-Only the tree's depth and size change, so verification, and losslessness, are untouched.
+Only which nodes are drafted and verified changes (depth, size, the frontier's width; the drafter
+may merge a lookup chain in), so verification, and losslessness, are untouched.
 With a flat verification cost it grows EAGLE-2-sized trees; with a steep one it shrinks to a
-short chain; with a costly draft level it stops earlier. Pure tensor code: no model imports.
+short chain; with a costly draft level it stops earlier. No model imports; the per-step
+arithmetic runs on Python floats (a few dozen tiny tensor ops would cost more than a draft level).
 """
 
 from __future__ import annotations
