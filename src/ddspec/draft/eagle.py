@@ -106,6 +106,7 @@ class EagleDrafter:
         self._plain_step = False
         self._caught_up = False  # this step's draft time includes catching the head up
         self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
+        self._chain: list[int] = []  # the lookup's chain for this step (propose)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -234,7 +235,8 @@ class EagleDrafter:
         # a node at depth d sits at position + d, which must stay inside the context window
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
-        chain = None if self.lookup is None else bool(self.lookup.continuation())
+        self._chain = [] if self.lookup is None else self.lookup.continuation()  # merged into a drafted tree
+        chain = None if self.lookup is None else bool(self._chain)
         self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now(chain))
         self._caught_up = False
         self._head_nodes = 1
@@ -287,7 +289,7 @@ class EagleDrafter:
         if cost is not None and self.lookup is not None:
             # the lookup's chain, where the context's ending occurred before, costs nothing to draft:
             # merged into the tree it adds a few verified rows and often tokens the head missed
-            tree, added = tree.with_chain(self.lookup.continuation(), max_depth=self._room)
+            tree, added = tree.with_chain(self._chain, max_depth=self._room)
             if added:
                 cost.note_graft(self._head_nodes, added)
         return tree

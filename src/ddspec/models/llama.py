@@ -155,7 +155,7 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
     array = layer_array([layer.fused for layer in layers]) if array is None else array
     count = len(array)
     capture = {i: torch.empty_like(x) for i in hidden_layers if 0 <= i < count}
-    layers_forward(array, 0, count, x, positions, rotary.cos, rotary.sin, cache.keys[first:first + count, 0],
+    layers_forward(array, x, positions, rotary.cos, rotary.sin, cache.keys[first:first + count, 0],
                    cache.values[first:first + count, 0], cache.length, mask, extra, capture)
     if capture:
         hidden.update(capture)

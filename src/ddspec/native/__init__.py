@@ -363,24 +363,23 @@ def set_attention(mode: str) -> None:
         raise ValueError(f"cannot set the attention mode {mode!r}")
 
 
-def layers_forward(array, first: int, count: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    mask: torch.Tensor | None, extra: torch.Tensor | None = None,
                    capture: dict[int, torch.Tensor] | None = None) -> None:
-    """Layers [first, first + count) of ``array`` in place on x [n, H], in one C call. keys/values:
-    the caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
+    """Every layer of ``array`` in order, in place on x [n, H], in one C call. keys/values: the
+    caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
     extra: [n, E] fp32 contiguous, for layers built with ``extra=E``. capture: {i: out} with out
-    [n, H] fp32 contiguous, filled with x as it enters layer first + i."""
-    n = x.shape[0]
-    layer0 = ctypes.cast(ctypes.byref(array, first * ctypes.sizeof(_Layer)), ctypes.POINTER(_Layer))
+    [n, H] fp32 contiguous, filled with x as it enters layer i."""
+    n, count = x.shape[0], len(array)
     slots = None
     if capture:
         slots = (ctypes.c_void_p * count)(*[capture[i].data_ptr() if i in capture else None for i in range(count)])
     rc = library().dd_layers_forward(
-        layer0, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        array, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
         None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr(),
         slots)
     if rc:
-        raise ValueError(f"dd_layers_forward refused layer {first + rc // 8}'s sizes (n={n}, start={start}, "
+        raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")
