@@ -26,6 +26,14 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def target_from_args(args: argparse.Namespace, model: str | None = None, impl: str | None = None):
+    """The target named by --model, --impl, --device and --dtype (``model`` / ``impl`` override)."""
+    from ddspec.models.loading import load_target
+
+    return load_target(args.model if model is None else model, impl=impl or args.impl, device=args.device,
+                       dtype=torch_dtype(args.dtype))
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="default",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddspec.args import EXAMPLE_PROMPT, sampling_from_args, setup_torch, stop_from_args, torch_dtype, tree_from_args
+from ddspec.args import EXAMPLE_PROMPT, sampling_from_args, setup_torch, stop_from_args, target_from_args, tree_from_args
 from ddspec.config import StopConfig
 from ddspec.engine import Engine, RunStats
 from ddspec.errors import DdspecError
@@ -19,9 +19,8 @@ def build_engine(args: argparse.Namespace, notices: list[str]) -> Engine:
     tree = tree_from_args(args)
     setup_torch(args)
     from ddspec.methods import default_method, make_drafter
-    from ddspec.models.loading import load_target
 
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     method = default_method(target, args.head) if args.method == "auto" else args.method
     engine = Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling)
     engine.method = method
@@ -129,7 +128,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ddspec.calibrate import CostStore, cost_key, describe, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.methods import resolve_head, tree_config
-    from ddspec.models.loading import load_target
 
     tree = tree_from_args(args)
     setup_torch(args)
@@ -138,7 +136,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         for entry in (cache_root() / "kernels").glob("*.json"):
             entry.unlink(missing_ok=True)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     drafter = EagleDrafter(resolve_head(args.head, target), target, tree_config("eagle2", tree))
     if args.show:
         store = CostStore(cost_key(target, drafter.head, drafter.cfg.top_k))

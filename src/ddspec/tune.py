@@ -71,18 +71,17 @@ def grid(depths, top_ks, sizes) -> list[tuple[int, int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     from ddspec.bench.prompts import load_prompts
-    from ddspec.args import setup_torch, torch_dtype, tree_from_args
+    from ddspec.args import setup_torch, target_from_args, tree_from_args
     from ddspec.config import StopConfig
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.engine import Engine
     from ddspec.methods import resolve_head, tree_config
-    from ddspec.models.loading import load_target
     from ddspec.prompts import chat_prompt_ids
 
     base = tree_from_args(args)
     prompts = load_prompts(args.prompts, args.limit)
     setup_torch(args)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     head = resolve_head(args.head, target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

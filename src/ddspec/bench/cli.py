@@ -95,13 +95,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _hf_model(args: argparse.Namespace, target):
     """The HF transformers model for the hf arms: the target's own when it is an HF target."""
-    from ddspec.args import torch_dtype
+    from ddspec.args import target_from_args
     from ddspec.models.hf_adapter import HFTarget
-    from ddspec.models.loading import load_target
 
     if isinstance(target, HFTarget):
         return target.model
-    return load_target(args.model, impl="hf", device=args.device, dtype=torch_dtype(args.dtype)).model
+    return target_from_args(args, impl="hf").model
 
 
 def _meta(args, parser, methods: list[str], target) -> dict:
@@ -140,9 +139,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ddspec.bench.prompts import load_prompts
     from ddspec.bench.report import render_table, write_summary
     from ddspec.bench.runner import Bench, RecordLog, build_arms, check_run_dir, parse_methods
-    from ddspec.args import sampling_from_args, setup_torch, torch_dtype, tree_from_args
+    from ddspec.args import sampling_from_args, setup_torch, target_from_args, tree_from_args
     from ddspec.config import StopConfig
-    from ddspec.models.loading import load_target
 
     # 1. Everything that can be checked before loading a model.
     _check_args(args)
@@ -157,7 +155,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     check_run_dir(out, settings, args.resume)
     # 2. Models and arms.
     setup_torch(args)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target), args.model,
                       args.threads)
     meta = _meta(args, parser, methods, target)

@@ -264,12 +264,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _start_server(args: argparse.Namespace, methods: list[str]):
-    from ddspec.args import setup_torch, torch_dtype, tree_from_args
-    from ddspec.models.loading import load_target
+    from ddspec.args import setup_torch, target_from_args, tree_from_args
     from ddspec.server.build import LiveServer, make_service
 
     setup_torch(args)
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     service = make_service(target, method=methods[0], head=args.head, tree=tree_from_args(args),
                            max_queue=max(args.concurrency) + 1)
     return LiveServer(service).start()

@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from ddspec.args import add_model_args, add_sampling_args, add_spec_args, sampling_from_args, setup_torch, torch_dtype, \
+from ddspec.args import add_model_args, add_sampling_args, add_spec_args, sampling_from_args, setup_torch, target_from_args, \
     tree_from_args
 
 API_KEY_ENV = "DDSPEC_API_KEY"
@@ -81,11 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise DdspecError(f"ddspec serve needs {e.name}: pip install 'ddspec[serve]' (fastapi, uvicorn, "
                           "prometheus_client)") from None
 
-    from ddspec.models.loading import load_target
     from ddspec.server.app import create_app
     from ddspec.server.build import make_service
 
-    target = load_target(args.model, impl=args.impl, device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args)
     service = make_service(target, method=args.method, head=args.head, tree=tree, sampling=sampling,
                            max_tokens=args.max_new_tokens, api_key=args.api_key, max_queue=args.max_queue,
                            max_body_bytes=args.max_body_bytes, prefix_reuse=args.prefix_reuse,

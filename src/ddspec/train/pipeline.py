@@ -51,8 +51,7 @@ class StageLog:
 
 
 def _setup(args: argparse.Namespace):
-    from ddspec.args import setup_torch, torch_dtype
-    from ddspec.models.loading import load_target
+    from ddspec.args import setup_torch, target_from_args
 
     setup_torch(args)
     out = Path(args.out)
@@ -65,7 +64,7 @@ def _setup(args: argparse.Namespace):
         if not (tiny / "config.json").is_file():
             make_tiny_model_dir(tiny, "llama", seed=0, hidden=64, layers=2, max_position=1024)
         model = str(tiny)
-    target = load_target(model, impl="native", device=args.device, dtype=torch_dtype(args.dtype))
+    target = target_from_args(args, model=model, impl="native")
     return out, target
 
 
