@@ -75,75 +75,106 @@ _BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
 
+class GGUFLayout:
+    """A GGUF file's metadata and tensor table, read without gguf-py (which decodes every
+    vocabulary string as a Python object, ~9 s for this model's).
+
+    metadata: key -> value for every key; arrays of numbers are numpy arrays, arrays of strings
+    are decoded only for the keys in ``strings`` (None for the others).
+    tensors: name -> (GGML type, dims as GGUF writes them (fastest first), memory-mapped bytes).
+    """
+
+    def __init__(self, path: Path, strings: tuple[str, ...] = ()):
+        import struct
+
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = memoryview(data)
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            vals = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return vals if len(vals) > 1 else vals[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+        def value(vtype: int, decode: bool):
+            nonlocal pos
+            if vtype == 8:
+                return string()
+            if vtype == 9:
+                etype, count = take("IQ")
+                if etype in _NUMPY:
+                    out = np.frombuffer(data, dtype=_NUMPY[etype], count=count, offset=pos).copy()
+                    pos += _SCALARS[etype] * count
+                    return out
+                if etype == 8 and not decode:  # strings (the vocabulary): step over them
+                    length = struct.Struct("<Q").unpack_from
+                    for _ in range(count):
+                        pos += 8 + length(buf, pos)[0]
+                    return None
+                return [value(etype, decode) for _ in range(count)]
+            out = struct.unpack_from("<" + _FORMATS[vtype], buf, pos)[0]
+            pos += _SCALARS[vtype]
+            return out
+
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        pos = 4
+        version, n_tensors, n_kv = take("IQQ")
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        self.metadata: dict = {}
+        for _ in range(n_kv):
+            key = string()
+            self.metadata[key] = value(take("I"), key in strings)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("Q") for _ in range(take("I"))]
+            ttype, offset = take("IQ")
+            infos.append((name, dims, ttype, offset))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        start = -(-pos // alignment) * alignment
+        self.tensors: dict[str, tuple[int, list[int], np.ndarray]] = {}
+        for name, dims, ttype, offset in infos:
+            nbytes = tensor_bytes(ttype, dims)
+            raw = data[start + offset:start + offset + nbytes] if nbytes is not None else None
+            self.tensors[name] = (ttype, dims, raw)
+
+
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# GGML tensor type -> (elements per block, bytes per block) for the types read here
+GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 30: (1, 2)}
+
+
+def tensor_bytes(ttype: int, dims: list[int]) -> int | None:
+    """Bytes of a tensor of GGML type ``ttype`` (None for types not read here)."""
+    if ttype not in GGML_BLOCKS:
+        return None
+    per, size = GGML_BLOCKS[ttype]
+    if dims[0] % per:
+        return None
+    return int(np.prod(dims, dtype=np.int64)) // per * size
+
+
 def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     """GGUF tensor name -> (kind, raw block bytes [rows, bytes per row]) for its Q4_1 and Q8_0
-    tensors (memory-mapped). A small reader of the GGUF v2/v3 layout: it skips the metadata
-    (gguf-py's reader decodes every vocabulary string, ~9 s for this model's)."""
-    import struct
-
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(data)
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        vals = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return vals if len(vals) > 1 else vals[0]
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
-
-    def skip_value(vtype: int) -> object:
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            etype, count = take("IQ")
-            if etype in _SCALARS:
-                pos += _SCALARS[etype] * count
-            elif etype == 8:  # strings (the vocabulary): step over them without decoding
-                length = struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    pos += 8 + length(buf, pos)[0]
-            else:
-                for _ in range(count):
-                    skip_value(etype)
-            return None
-        value = struct.unpack_from("<" + {4: "I", 5: "i", 10: "Q", 11: "q"}.get(vtype, "B"), buf, pos)[0]
-        pos += _SCALARS[vtype]
-        return value
-
-    if bytes(buf[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    pos = 4
-    version, n_tensors, n_kv = take("IQQ")
-    if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} is not supported")
-    alignment = 32
-    for _ in range(n_kv):
-        key = string()
-        value = skip_value(take("I"))
-        if key == "general.alignment":
-            alignment = int(value)
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = [take("Q") for _ in range(take("I"))]
-        ttype, offset = take("IQ")
-        infos.append((name, dims, ttype, offset))
-    start = -(-pos // alignment) * alignment
+    tensors (memory-mapped)."""
     out = {}
-    for name, dims, ttype, offset in infos:
+    for name, (ttype, dims, raw) in GGUFLayout(path).tensors.items():
         kind = _TYPES.get(ttype)
-        if kind not in _BLOCK_BYTES or dims[0] % BLOCK:
+        if kind not in _BLOCK_BYTES or raw is None:
             continue
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        nbytes = rows * dims[0] // BLOCK * _BLOCK_BYTES[kind]
-        out[name] = (kind, data[start + offset:start + offset + nbytes].reshape(rows, -1))
+        out[name] = (kind, raw.reshape(rows, -1))
     return out
 
 

@@ -65,6 +65,25 @@ typedef struct {
 #define BUFFER_FROM 6 /* more rows than this: each block of weights is read (and rebuilt) once, into L1 */
 #endif
 
+/* The build compiles this file in parts, in parallel, and links them (as a single -O3 unit it
+ * takes about 20 s of one core). Part p: 1-5 the matmuls of one weight kind each (Q4_1, Q8_0,
+ * fp32, fp16, bf16), 6 the rest (layers, attention, the entry points); -DDD_PARTS=mask compiles
+ * the parts whose bit (1 << p) is set. Without DD_PARTS it is one unit. */
+#ifndef DD_PARTS
+#define DD_PARTS 0
+#endif
+#define DD_HAS(p) (DD_PARTS == 0 || (DD_PARTS >> (p)) & 1)
+#if DD_PARTS
+#define DD_SHARED __attribute__((visibility("hidden")))
+#else
+#define DD_SHARED static
+#endif
+DD_SHARED void qgemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void qgemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void dense_gemm_shared_f32(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void dense_gemm_shared_f16(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void dense_gemm_shared_bf16(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -211,7 +230,9 @@ static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 
             _mm256_storeu_ps(acc + r * 16 + 8, a1[r]);                                              \
         }                                                                                           \
     }
+#if DD_HAS(3) || DD_HAS(4) || DD_HAS(5)
 BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
+#endif
 
 /* All n rows (n > TILE) against group g, rebuilding each block of weights once. */
 #define BUFFERED(KIND_ID, KIND)                                                                     \
@@ -368,52 +389,54 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         }                                                                                           \
     }
 
-QPASSES(DD_Q4_1, q4_1)
-QPASSES(DD_Q8_0, q8_0)
-
-/* Quantised y (+)= x @ W^T inside a parallel region (see gemm_shared). */
-static void qgemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
-    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32;
-    const int q4 = W->kind == DD_Q4_1;
-    float *sx = malloc(sizeof(float) * (size_t)(n * nb + 1)); /* each thread its own copy: no sharing */
-    if (q4) block_sums(x, n, W->in, sx);
-    if (n == 1) { /* three groups per pass: six FMA chains hide the FMA latency */
-        const int64_t triples = (groups + 2) / 3;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < triples; t++) {
-            const int64_t g = 3 * t;
-            if (g + 3 <= groups) {
-                if (q4) qpass_q4_1_1x3(W, g, x, sx, y, acc);
-                else qpass_q8_0_1x3(W, g, x, sx, y, acc);
-            } else {
-                for (int64_t j = g; j < groups; j++) {
-                    if (q4) qpass_q4_1_1(W, j, x, W->in, sx, y, ldy, acc);
-                    else qpass_q8_0_1(W, j, x, W->in, sx, y, ldy, acc);
-                }
-            }
-        }
-    } else if (n == 2) { /* two groups per pass (measured: with 3 rows, one group per pass is faster) */
-        const int64_t pairs = (groups + 1) / 2;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const int64_t g = 2 * p;
-            if (g + 2 > groups) {
-                if (q4) qgroup_q4_1(W, g, x, n, sx, y, ldy, acc);
-                else qgroup_q8_0(W, g, x, n, sx, y, ldy, acc);
-            } else {
-                if (q4) qpass_q4_1_2x2(W, g, x, W->in, sx, y, ldy, acc);
-                else qpass_q8_0_2x2(W, g, x, W->in, sx, y, ldy, acc);
-            }
-        }
-    } else {
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (q4) qgroup_q4_1(W, g, x, n, sx, y, ldy, acc);
-            else qgroup_q8_0(W, g, x, n, sx, y, ldy, acc);
-        }
-    }
-    free(sx);
+/* Quantised y (+)= x @ W^T inside a parallel region (see gemm_shared), one function per kind. */
+#define QGEMM(KIND_ID, KIND)                                                                        \
+DD_SHARED void qgemm_shared_##KIND(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) { \
+    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32;                                     \
+    const int q4 = KIND_ID == DD_Q4_1;                                                              \
+    float *sx = malloc(sizeof(float) * (size_t)(n * nb + 1)); /* each thread its own copy: no sharing */ \
+    if (q4) block_sums(x, n, W->in, sx);                                                            \
+    if (n == 1) { /* three groups per pass: six FMA chains hide the FMA latency */                  \
+        const int64_t triples = (groups + 2) / 3;                                                   \
+_Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t t = 0; t < triples; t++) {                                                     \
+            const int64_t g = 3 * t;                                                                \
+            if (g + 3 <= groups) {                                                                  \
+                qpass_##KIND##_1x3(W, g, x, sx, y, acc);                                            \
+            } else {                                                                                \
+                for (int64_t j = g; j < groups; j++) {                                              \
+                    qpass_##KIND##_1(W, j, x, W->in, sx, y, ldy, acc);                              \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    } else if (n == 2) { /* two groups per pass (measured: with 3 rows, one group per pass is faster) */ \
+        const int64_t pairs = (groups + 1) / 2;                                                     \
+_Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t p = 0; p < pairs; p++) {                                                       \
+            const int64_t g = 2 * p;                                                                \
+            if (g + 2 > groups) {                                                                   \
+                qgroup_##KIND(W, g, x, n, sx, y, ldy, acc);                                         \
+            } else {                                                                                \
+                qpass_##KIND##_2x2(W, g, x, W->in, sx, y, ldy, acc);                                \
+            }                                                                                       \
+        }                                                                                           \
+    } else {                                                                                        \
+_Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t g = 0; g < groups; g++) {                                                      \
+            qgroup_##KIND(W, g, x, n, sx, y, ldy, acc);                                             \
+        }                                                                                           \
+    }                                                                                               \
+    free(sx);                                                                                       \
 }
+
+#if DD_HAS(1)
+QPASSES(DD_Q4_1, q4_1)
+QGEMM(DD_Q4_1, q4_1)
+#endif
+#if DD_HAS(2)
+QPASSES(DD_Q8_0, q8_0)
+QGEMM(DD_Q8_0, q8_0)
+#endif
 
 #define PASSES(KIND_ID, KIND)                                                                       \
     PASS(KIND_ID, KIND, 1) PASS(KIND_ID, KIND, 2) PASS(KIND_ID, KIND, 3) PASS(KIND_ID, KIND, 4)     \
@@ -441,37 +464,47 @@ static void qgemm_shared(const dd_weight *W, const float *x, int64_t n, float *y
         }                                                                                           \
     }
 
-PASSES(DD_F32, f32)
-PASSES(DD_F16, f16)
-PASSES(DD_BF16, bf16)
+/* Dense y (+)= x @ W^T inside a parallel region (see gemm_shared), one function per kind. */
+#define DGEMM(KIND)                                                                                 \
+DD_SHARED void dense_gemm_shared_##KIND(const dd_weight *W, const float *x, int64_t n, float *y,   \
+                                        int64_t ldy, int acc) {                                     \
+    const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;                            \
+    if (n > BUFFER_FROM && W->in % 32 == 0) { /* many rows: read (and rebuild) each block once */  \
+        float *sums = malloc(sizeof(float) * 16 * (size_t)n);                                       \
+_Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t g = 0; g < groups; g++) buffered_##KIND(W, g, x, n, y, ldy, acc, sums);        \
+        free(sums);                                                                                 \
+        return;                                                                                     \
+    }                                                                                               \
+_Pragma("omp for schedule(static)")                                                                 \
+    for (int64_t p = 0; p < pairs; p++) {                                                           \
+        const int64_t g = 2 * p;                                                                    \
+        groups_##KIND(W, g, g + 1 < groups ? 2 : 1, x, n, y, ldy, acc);                             \
+    }                                                                                               \
+}
 
+#if DD_HAS(3)
+PASSES(DD_F32, f32)
+DGEMM(f32)
+#endif
+#if DD_HAS(4)
+PASSES(DD_F16, f16)
+DGEMM(f16)
+#endif
+#if DD_HAS(5)
+PASSES(DD_BF16, bf16)
+DGEMM(bf16)
+#endif
+
+#if DD_HAS(6)
 /* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
  * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
-    if (W->kind == DD_Q4_1 || W->kind == DD_Q8_0) {
-        qgemm_shared(W, x, n, y, ldy, acc);
-        return;
-    }
-    const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;
-    if (n > BUFFER_FROM && W->in % 32 == 0) { /* many rows: read (and rebuild) each weight block once */
-        float *sums = malloc(sizeof(float) * 16 * (size_t)n);
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (W->kind == DD_F16) buffered_f16(W, g, x, n, y, ldy, acc, sums);
-            else if (W->kind == DD_BF16) buffered_bf16(W, g, x, n, y, ldy, acc, sums);
-            else buffered_f32(W, g, x, n, y, ldy, acc, sums);
-        }
-        free(sums);
-        return;
-    }
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t g = 2 * p;
-        const int ng = g + 1 < groups ? 2 : 1;
-        if (W->kind == DD_F16) groups_f16(W, g, ng, x, n, y, ldy, acc);
-        else if (W->kind == DD_BF16) groups_bf16(W, g, ng, x, n, y, ldy, acc);
-        else groups_f32(W, g, ng, x, n, y, ldy, acc);
-    }
+    if (W->kind == DD_Q4_1) qgemm_shared_q4_1(W, x, n, y, ldy, acc);
+    else if (W->kind == DD_Q8_0) qgemm_shared_q8_0(W, x, n, y, ldy, acc);
+    else if (W->kind == DD_F16) dense_gemm_shared_f16(W, x, n, y, ldy, acc);
+    else if (W->kind == DD_BF16) dense_gemm_shared_bf16(W, x, n, y, ldy, acc);
+    else dense_gemm_shared_f32(W, x, n, y, ldy, acc);
 }
 
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
@@ -833,3 +866,4 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     free(buf);
     return rc;
 }
+#endif /* DD_HAS(6) */

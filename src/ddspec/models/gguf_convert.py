@@ -1,0 +1,222 @@
+"""Converting a llama-family GGUF with a byte-level BPE vocabulary into an fp32 Hugging Face folder,
+without transformers.
+
+transformers can do this (``from_pretrained(gguf_file=...)``), and ddspec falls back to it for any
+file this module does not cover, but on a new user's first run it was the long pole: importing
+transformers' modelling code, gguf-py turning the 49k-token vocabulary and 49k merges into Python
+objects three times, and the tokenizer conversion took ~21 s of a ~40 s first command. This
+writes the same folder from one pass over the file (``GGUFLayout``):
+
+- ``config.json``: the llama settings under transformers' names (as its GGUF loader maps them);
+- ``model.safetensors``: each tensor dequantised with gguf-py's formulas (``dequantize_tensor``),
+  q and k rows put back in Hugging Face's order (llama.cpp's converter interleaves the two halves
+  of each rotary head), ``lm_head`` left out when the file has no ``output.weight`` (tied);
+- ``tokenizer.json``: byte-level BPE from ``tokenizer.ggml.tokens`` and ``merges``, control tokens
+  (type 3) added as special tokens and user-defined ones (type 4) as plain added tokens;
+- ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``.
+
+tests/test_gguf_convert.py checks the result against transformers' conversion of the default
+model: every weight bit for bit, the config, and the tokenizer on text and chat templates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ddspec.models.gguf_blocks import GGUFLayout, dequantize
+
+
+class NotCovered(Exception):
+    """This GGUF needs transformers' converter (another architecture, tokenizer or tensor type)."""
+
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+# pre-tokenizer names whose split is GPT-2's ByteLevel regex (others need transformers' table)
+_PLAIN_PRE = {None, "default", "gpt2", "smollm"}
+
+
+def hf_tensor_name(name: str) -> str:
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.weight"
+    raise NotCovered(f"tensor {name!r} has no llama counterpart")
+
+
+def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarray:
+    """fp32 array [rows..., dims[0]] by gguf-py's formulas, for F32, F16, BF16, Q4_0, Q4_1, Q8_0."""
+    shape = tuple(reversed(dims))
+    if ttype == 0:
+        return np.frombuffer(raw, dtype=np.float32).reshape(shape)
+    if ttype == 1:
+        return np.frombuffer(raw, dtype=np.float16).astype(np.float32).reshape(shape)
+    if ttype == 30:
+        return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+    if ttype == 2:  # Q4_0: (q - 8) * d
+        b = raw.reshape(rows, -1, 18)
+        d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+        qs = b[..., 2:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
+        return (d * q.astype(np.float32)).reshape(shape)
+    if ttype == 3:  # Q4_1: d * q + m
+        b = raw.reshape(rows, -1, 20)
+        return dequantize("q4_1", b[..., 4:], b[..., 0:2].copy().view(np.float16)[..., 0],
+                          b[..., 2:4].copy().view(np.float16)[..., 0]).reshape(shape)
+    if ttype == 8:  # Q8_0: q * d
+        b = raw.reshape(rows, -1, 34)
+        return dequantize("q8_0", b[..., 2:].copy().view(np.int8), b[..., 0:2].copy().view(np.float16)[..., 0],
+                          None).reshape(shape)
+    raise NotCovered(f"GGML tensor type {ttype}")
+
+
+def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows: within each head it stores the rotary pairs
+    interleaved; Hugging Face keeps the two halves apart."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (byte-level BPE spells tokens in it)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def _config(meta: dict, tensors: dict, vocab: int) -> dict:
+    arch = meta.get("general.architecture")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    if any(k.startswith(f"{arch}.rope.scaling") for k in meta) or get("expert_count"):
+        raise NotCovered("rope scaling or experts")
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    special = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in
+               (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id"))}
+    cfg = {
+        "_model_name_or_path": meta.get("general.name"),
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": special["bos_token_id"],
+        "dtype": "float32",
+        "eos_token_id": special["eos_token_id"],
+        "head_dim": int(get("rope.dimension_count", hidden // heads)),
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": int(get("feed_forward_length")),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": heads,
+        "num_hidden_layers": int(get("block_count")),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "pad_token_id": special["pad_token_id"],
+        "pretraining_tp": 1,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {"rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "default"},
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "unk_token_id": special["unk_token_id"],
+        "use_cache": True,
+        "vocab_size": int(get("vocab_size", vocab)),
+    }
+    return {k: v for k, v in cfg.items() if v is not None or k.endswith("_token_id")}
+
+
+def _tokenizer(meta: dict) -> tuple[dict, dict]:
+    """(tokenizer.json, tokenizer_config.json) of a byte-level BPE vocabulary."""
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.merges")
+    types = meta.get("tokenizer.ggml.token_type")
+    if merges is None:
+        raise NotCovered("no merges in the file")
+    spell = _bytes_to_unicode()
+    alphabet = set(spell.values())
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab[t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))] = i
+    added = []
+    for i, t in enumerate(tokens):
+        kind = int(types[i]) if types is not None else 1
+        if (kind == 3 and set(t) <= alphabet) or (kind == 4 and t in vocab):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": kind == 3})
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {}},
+        "decoder": dict(byte_level, add_prefix_space=True),
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [m.split(" ") for m in merges]},
+    }
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+             "pad_token": "padding_token_id"}
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(1e30)}
+    for name, key in names.items():
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None:
+            tok_cfg[name] = tokens[int(i)]
+    return tok, tok_cfg
+
+
+def convert(gguf: Path, out: Path) -> None:
+    """Write the fp32 HF folder of ``gguf`` into ``out`` (an empty folder); raises NotCovered for
+    a file this converter does not handle (the caller then uses transformers')."""
+    from safetensors.numpy import save_file
+
+    meta_only = GGUFLayout(gguf)  # a first pass without the strings: decide before decoding 100k of them
+    meta = meta_only.metadata
+    if meta.get("general.architecture") != "llama":
+        raise NotCovered(f"architecture {meta.get('general.architecture')!r}")
+    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in _PLAIN_PRE:
+        raise NotCovered(f"tokenizer {meta.get('tokenizer.ggml.model')!r}/{meta.get('tokenizer.ggml.pre')!r}")
+    if meta.get("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.add_eos_token"):
+        raise NotCovered("a tokenizer that adds BOS/EOS")
+    if any(raw is None for _, _, raw in meta_only.tensors.values()):
+        raise NotCovered("a tensor type other than F32/F16/BF16/Q4_0/Q4_1/Q8_0")
+    layout = GGUFLayout(gguf, strings=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    meta = layout.metadata
+    cfg = _config(meta, layout.tensors, len(meta["tokenizer.ggml.tokens"]))
+    tok, tok_cfg = _tokenizer(meta)
+    weights = {}
+    for name, (ttype, dims, raw) in layout.tensors.items():
+        hf = hf_tensor_name(name)
+        w = dequantize_tensor(ttype, dims, raw)
+        if ".attn_q." in name:
+            w = unpermute_rotary(w, cfg["num_attention_heads"])
+        elif ".attn_k." in name:
+            w = unpermute_rotary(w, cfg["num_key_value_heads"])
+        weights[hf] = np.ascontiguousarray(w, dtype=np.float32)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(dict(gen, use_cache=True), indent=2) + "\n")
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        (out / "chat_template.jinja").write_text(template)
