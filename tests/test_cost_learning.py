@@ -128,6 +128,25 @@ def test_learned_costs_rescale_unobserved_sizes_from_observed_ones():
     assert costs.drift() == pytest.approx(math.log(10))
 
 
+def test_the_cache_is_rewritten_for_a_lasting_drift_not_for_a_rare_size():
+    base = CostModel(verify_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}, draft_root_ms=1.0, draft_level_ms=2.0)
+    written = []
+    policy = CostAwarePolicy(base, AcceptanceModel(), max_depth=4, max_tokens=8, persist=written.append)
+
+    def step(size: int, verify_ms: float) -> None:
+        policy.drafting, policy.levels, policy.prediction = True, 2, (1.0, 10.0)  # root + one level: 1 + 2 ms
+        policy.observe_step(1, size, draft_ms=3.0, verify_ms=verify_ms, gap_ms=0.0)
+
+    for i in range(60):  # as calibrated, but twice a size met once at 2.5x its cost (a context switch)
+        step(8, 60.0) if i % 30 == 5 else step(4, 16.0)
+    assert policy.costs.drift() > math.log(2)  # it was seen, and is learned for this run
+    assert written == []  # but two observations do not rewrite the cache
+    for _ in range(10):
+        step(4, 32.0)  # size 4 now costs twice the calibration, step after step
+    assert len(written) == 1
+    assert written[0].verify(torch.tensor([4])).item() > 24.0
+
+
 def never_accepted(policy: CostAwarePolicy, steps: int, verify_extra_ms: float,
                    plain: tuple[int, int, float]) -> list[bool]:
     """Steps whose drafts are never accepted (drafting only adds cost); a plain step yields

@@ -212,12 +212,13 @@ class LearnedCosts:
             return self.plain_ms
         return min(self.plain_ms, self.current.verify_ms[self.sizes[0]])
 
-    def drift(self) -> float:
-        """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed."""
-        parts = [abs(r) for r, c in zip(self.log_ratio, self.seen) if c >= 1]
-        if self.root_seen >= 1:
+    def drift(self, min_seen: float = 1.0) -> float:
+        """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed at
+        least ``min_seen`` times (decayed counts)."""
+        parts = [abs(r) for r, c in zip(self.log_ratio, self.seen) if c >= min_seen]
+        if self.root_seen >= min_seen:
             parts.append(abs(math.log(max(self.root_ms, 1e-6) / max(self.base.draft_root_ms, 1e-6))))
-        if self.level_seen >= 1:
+        if self.level_seen >= min_seen:
             parts.append(abs(math.log(self.level_ms / max(self.base.draft_level_ms, 1e-6))))
         return max(parts, default=0.0)
 
@@ -282,8 +283,13 @@ class CostAwarePolicy:
 
     ``persist``: called once with the learned curve (in calibration terms) when it has drifted
     from the calibration by more than ``drift_limit`` (log ratio) after ``min_steps`` steps, so
-    the cache entry is corrected for the next run.
+    the cache entry is corrected for the next run. Only estimates observed ``drift_seen`` times
+    (decayed counts) count: a tree size met once or twice in a run, at one slow or fast moment,
+    used to rewrite the cache on most runs (and the next run, meeting another rare size, wrote
+    it back).
     """
+
+    drift_seen = 4.0
 
     explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
     max_backoff = 8  # drafting tried and still worse: the wait before the next try doubles, up to 8x
@@ -509,7 +515,7 @@ class CostAwarePolicy:
                 self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
         if (self.persist is not None and self.costs.steps >= self.min_steps
-                and self.costs.drift() > self.drift_limit):
+                and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
             persist(self.costs.as_calibration())
 
