@@ -131,7 +131,8 @@ def test_learned_costs_rescale_unobserved_sizes_from_observed_ones():
 def test_the_cache_is_rewritten_for_a_lasting_drift_not_for_a_rare_size():
     base = CostModel(verify_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}, draft_root_ms=1.0, draft_level_ms=2.0)
     written = []
-    policy = CostAwarePolicy(base, AcceptanceModel(), max_depth=4, max_tokens=8, persist=written.append)
+    policy = CostAwarePolicy(base, AcceptanceModel(), max_depth=4, max_tokens=8,
+                             persist=lambda learned, why: written.append((learned, why)))
 
     def step(size: int, verify_ms: float) -> None:
         policy.drafting, policy.levels, policy.prediction = True, 2, (1.0, 10.0)  # root + one level: 1 + 2 ms
@@ -144,7 +145,9 @@ def test_the_cache_is_rewritten_for_a_lasting_drift_not_for_a_rare_size():
     for _ in range(10):
         step(4, 32.0)  # size 4 now costs twice the calibration, step after step
     assert len(written) == 1
-    assert written[0].verify(torch.tensor([4])).item() > 24.0
+    learned, why = written[0]
+    assert learned.verify(torch.tensor([4])).item() > 24.0
+    assert why.startswith("verifying 4: 16.00 ms calibrated")
 
 
 def never_accepted(policy: CostAwarePolicy, steps: int, verify_extra_ms: float,

@@ -132,16 +132,16 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
 
     others = OtherLoad()
 
-    def persist(learned) -> None:
+    def persist(learned, why: str) -> None:
         # costs learned while other programs took the CPU describe that moment, not this machine:
         # keep them for this run only (the calibration's own rule: it measures again when noisy)
         share = others.too_busy()
         if share is not None:
-            notify(f"ddspec: the measured step costs differ from the cached calibration, but other programs used "
-                   f"{share:.0%} of the CPU meanwhile: not saved ({store.path} unchanged)")
+            notify(f"ddspec: the measured step costs differ from the cached calibration ({why}), but other "
+                   f"programs used {share:.0%} of the CPU meanwhile: not saved ({store.path} unchanged)")
             return
         if store.write(Measurement(learned, spread=0.0, source="learned")):
-            notify(f"ddspec: the measured step costs differ from the cached calibration; updated {store.path}")
+            notify(f"ddspec: the measured step costs differ from the cached calibration ({why}); updated {store.path}")
 
     policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
                              max_tokens=cfg.total_tokens, persist=persist)

@@ -215,12 +215,19 @@ class LearnedCosts:
     def drift(self, min_seen: float = 1.0) -> float:
         """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed at
         least ``min_seen`` times (decayed counts)."""
-        parts = [abs(r) for r, c in zip(self.log_ratio, self.seen) if c >= min_seen]
+        return max((abs(math.log(learned / calibrated)) for _, calibrated, learned in self.drifts(min_seen)), default=0.0)
+
+    def drifts(self, min_seen: float = 1.0) -> list[tuple[str, float, float]]:
+        """(what, calibrated ms, learned ms) for each estimate observed at least ``min_seen`` times,
+        the largest change (as a ratio) first."""
+        base = self.base
+        out = [(f"verifying {n}", base.verify_ms[n] + base.other_ms, (base.verify_ms[n] + base.other_ms) * math.exp(r))
+               for n, r, c in zip(self.sizes, self.log_ratio, self.seen) if c >= min_seen]
         if self.root_seen >= min_seen:
-            parts.append(abs(math.log(max(self.root_ms, 1e-6) / max(self.base.draft_root_ms, 1e-6))))
+            out.append(("the draft root", max(base.draft_root_ms, 1e-6), max(self.root_ms, 1e-6)))
         if self.level_seen >= min_seen:
-            parts.append(abs(math.log(self.level_ms / max(self.base.draft_level_ms, 1e-6))))
-        return max(parts, default=0.0)
+            out.append(("a draft level", max(base.draft_level_ms, 1e-6), max(self.level_ms, 1e-6)))
+        return sorted(out, key=lambda d: -abs(math.log(d[2] / d[1])))
 
     def as_calibration(self) -> CostModel:
         """The learned curve in the calibration's own terms (verify without the per-step rest)."""
@@ -517,7 +524,10 @@ class CostAwarePolicy:
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
-            persist(self.costs.as_calibration())
+            drifts = self.costs.drifts(self.drift_seen)
+            why = "; ".join(f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
+                            for what, calibrated, learned in drifts[:1])
+            persist(self.costs.as_calibration(), why or "no estimate observed often enough")
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"
