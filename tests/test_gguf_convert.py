@@ -169,3 +169,16 @@ def test_default_model_converts_as_transformers_does(tmp_path):
         lines = prompts.read_text().splitlines()
         texts += [json.loads(line)["turns"][0] for line in lines[::max(1, len(lines) // 20)]]
     assert_same_folder(ours, theirs, texts)
+
+
+def test_a_file_it_does_not_cover_is_converted_by_transformers(tmp_path, capsys):
+    from ddspec.models.loading import convert_gguf
+
+    path = tmp_path / "bpe.gguf"
+    write_tiny_llama(path, {"embd": int(Q.F32), "attn": int(Q.Q8_0), "ffn": int(Q.Q8_0), "norm": int(Q.F32)},
+                     pre="llama-bpe")  # llama-3's split regex: transformers' table, not ours
+    out = convert_gguf(path, tmp_path / "cache" / "bpe")
+    assert "needs transformers' GGUF converter (tokenizer" in capsys.readouterr().err
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["bpe"]  # no temporary folder left behind
+    assert load_tokenizer(out).eos_token_id == 2 and json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
