@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -131,8 +131,7 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     other()
     other_ms = statistics.median(other() for _ in range(reps)) * 1e3
     cost = CostModel(verify_ms=verify, draft_root_ms=root_ms, draft_level_ms=level_ms, other_ms=other_ms)
-    cost = CostModel(verify_ms=verify, draft_root_ms=policy_root_ms(target, drafter, cost, prompt[-1], reps * 2),
-                     draft_level_ms=level_ms, other_ms=other_ms)
+    cost = replace(cost, draft_root_ms=policy_root_ms(target, drafter, cost, prompt[-1], reps * 2))
     if bar is not None:
         bar.update(3)
     return Measurement(cost, relative_spread(times), load=load_average())

@@ -24,19 +24,22 @@ import torch
 from ddspec.native import NativeWeight
 
 _LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-BLOCK = 32
+_TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+              "output.weight": "lm_head.weight"}
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The HF weight name of a GGUF tensor name (None for tensors we do not read blocks of)."""
+    """The HF weight name of a llama GGUF tensor name, without the ``model.`` prefix (None for
+    names outside the llama layout)."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    return {"token_embd.weight": "embed_tokens.weight", "output.weight": "lm_head.weight"}.get(gguf_name)
+    return _TOP_NAMES.get(gguf_name)
 
 
 def _split(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
@@ -70,8 +73,7 @@ def _row_order(deq: np.ndarray, dense: np.ndarray) -> np.ndarray | None:
     return None if any(i is None for i in order) else np.asarray(order)
 
 
-_TYPES = {2: "q4_0", 3: "q4_1", 8: "q8_0"}  # GGML tensor types we may read (others are skipped)
-_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+_QUANTISED = {3: "q4_1", 8: "q8_0"}  # GGML tensor types the native kernel reads in blocks
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
 
@@ -170,8 +172,8 @@ def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
     tensors (memory-mapped)."""
     out = {}
     for name, (ttype, dims, raw) in GGUFLayout(path).tensors.items():
-        kind = _TYPES.get(ttype)
-        if kind not in _BLOCK_BYTES or raw is None:
+        kind = _QUANTISED.get(ttype)
+        if kind is None or raw is None:
             continue
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
         out[name] = (kind, raw.reshape(rows, -1))

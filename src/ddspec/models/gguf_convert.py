@@ -26,32 +26,23 @@ from pathlib import Path
 
 import numpy as np
 
-from ddspec.models.gguf_blocks import GGUFLayout, dequantize
+from ddspec.models.gguf_blocks import _QUANTISED, GGUFLayout, _split, dequantize, hf_name
 
 
 class NotCovered(Exception):
     """This GGUF needs transformers' converter (another architecture, tokenizer or tensor type)."""
 
 
-_LAYER = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
 # pre-tokenizer names whose split is GPT-2's ByteLevel regex (others need transformers' table)
 _PLAIN_PRE = {None, "default", "gpt2", "smollm"}
 
 
 def hf_tensor_name(name: str) -> str:
-    if name in _TOP:
-        return _TOP[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.weight"
-    raise NotCovered(f"tensor {name!r} has no llama counterpart")
+    """The name a Hugging Face llama checkpoint gives a GGUF tensor."""
+    short = hf_name(name)
+    if short is None:
+        raise NotCovered(f"tensor {name!r} has no llama counterpart")
+    return short if short == "lm_head.weight" else f"model.{short}"
 
 
 def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarray:
@@ -70,14 +61,9 @@ def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarra
         qs = b[..., 2:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
         return (d * q.astype(np.float32)).reshape(shape)
-    if ttype == 3:  # Q4_1: d * q + m
-        b = raw.reshape(rows, -1, 20)
-        return dequantize("q4_1", b[..., 4:], b[..., 0:2].copy().view(np.float16)[..., 0],
-                          b[..., 2:4].copy().view(np.float16)[..., 0]).reshape(shape)
-    if ttype == 8:  # Q8_0: q * d
-        b = raw.reshape(rows, -1, 34)
-        return dequantize("q8_0", b[..., 2:].copy().view(np.int8), b[..., 0:2].copy().view(np.float16)[..., 0],
-                          None).reshape(shape)
+    if ttype in _QUANTISED:  # Q4_1: d * q + m; Q8_0: q * d
+        kind = _QUANTISED[ttype]
+        return dequantize(kind, *_split(kind, raw, rows)).reshape(shape)
     raise NotCovered(f"GGML tensor type {ttype}")
 
 
@@ -188,18 +174,16 @@ def convert(gguf: Path, out: Path) -> None:
     a file this converter does not handle (the caller then uses transformers')."""
     from safetensors.numpy import save_file
 
-    meta_only = GGUFLayout(gguf)  # a first pass without the strings: decide before decoding 100k of them
-    meta = meta_only.metadata
+    layout = GGUFLayout(gguf, strings=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    meta = layout.metadata
     if meta.get("general.architecture") != "llama":
         raise NotCovered(f"architecture {meta.get('general.architecture')!r}")
     if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in _PLAIN_PRE:
         raise NotCovered(f"tokenizer {meta.get('tokenizer.ggml.model')!r}/{meta.get('tokenizer.ggml.pre')!r}")
     if meta.get("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.add_eos_token"):
         raise NotCovered("a tokenizer that adds BOS/EOS")
-    if any(raw is None for _, _, raw in meta_only.tensors.values()):
+    if any(raw is None for _, _, raw in layout.tensors.values()):
         raise NotCovered("a tensor type other than F32/F16/BF16/Q4_0/Q4_1/Q8_0")
-    layout = GGUFLayout(gguf, strings=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
-    meta = layout.metadata
     cfg = _config(meta, layout.tensors, len(meta["tokenizer.ggml.tokens"]))
     tok, tok_cfg = _tokenizer(meta)
     weights = {}

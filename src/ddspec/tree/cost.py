@@ -524,10 +524,12 @@ class CostAwarePolicy:
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
+            why = "no estimate observed often enough"
             drifts = self.costs.drifts(self.drift_seen)
-            why = "; ".join(f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
-                            for what, calibrated, learned in drifts[:1])
-            persist(self.costs.as_calibration(), why or "no estimate observed often enough")
+            if drifts:
+                what, calibrated, learned = drifts[0]
+                why = f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
+            persist(self.costs.as_calibration(), why)
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"
