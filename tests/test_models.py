@@ -144,6 +144,22 @@ def test_hidden_layers_are_returned(tiny_targets):
     assert torch.equal(outs[0].hidden_states[0], native.embed(tokens))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_last_logits_is_the_last_row_of_all(tiny_targets, impl):
+    """A prefill asks for the last token's logits only: the same row, the same features and cache."""
+    target = tiny_targets[("llama", impl)]
+    tokens = torch.randint(0, target.info.vocab_size, (11,), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for last in (False, True):
+        target.reset(16)
+        outs.append(target.forward(tokens, torch.arange(11), last_logits=last))
+        outs.append(target.forward(tokens[:1], torch.tensor([11])))  # the cache it left behind
+    assert outs[2].logits.shape == (1, target.info.vocab_size)
+    assert (outs[2].logits - outs[0].logits[-1:]).abs().max() <= TOL
+    assert torch.equal(outs[2].features, outs[0].features)
+    assert (outs[3].logits - outs[1].logits).abs().max() <= TOL
+
+
 def test_forward_batch_matches_single(tiny_targets):
     native = tiny_targets[("llama", "native")]
     gen = torch.Generator().manual_seed(2)

@@ -83,7 +83,7 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     prompt = torch.randint(0, vocab, (PREFIX,), generator=gen)
     room = PREFIX + max(sizes) + 8
     target.reset(room)
-    out = target.forward(prompt, torch.arange(PREFIX), None, layers)
+    out = target.forward(prompt, torch.arange(PREFIX), None, layers, last_logits=True)
     target.commit(torch.arange(PREFIX))
     drafter.reset(room)
     drafter.prefill(prompt, out, prompt[-1])

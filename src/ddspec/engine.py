@@ -258,7 +258,7 @@ class Engine:
         #    first root, let the drafter take the prompt in.
         start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
         prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
-        out = self.target.forward(prompt, torch.arange(start, len(prompt_ids)), None, hidden_layers)
+        out = self.target.forward(prompt, torch.arange(start, len(prompt_ids)), None, hidden_layers, last_logits=True)
         root = self._choose(out.logits[-1], generator)
         if self.drafter:
             self.drafter.prefill(prompt, out, root)

@@ -36,7 +36,7 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class TargetOutput:
-    logits: torch.Tensor  # [N, V] fp32 (or the model dtype)
+    logits: torch.Tensor  # [N, V] fp32 (or the model dtype); [1, V] when asked for the last token's only
     features: torch.Tensor  # [N, H] post-final-norm hidden states
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [N, H]
 
@@ -62,6 +62,7 @@ class TargetModel(Protocol):
         positions: torch.Tensor,  # [N] int64 absolute positions (RoPE)
         mask: torch.Tensor | None = None,  # see module docstring
         hidden_layers: tuple[int, ...] = (),  # HF hidden_states indices: k = input of layer k
+        last_logits: bool = False,  # logits of the last token only ([1, V]): a prefill needs no more
     ) -> TargetOutput:
         """Run the new tokens; their KV lands in slots [cache_length, cache_length + N)."""
 

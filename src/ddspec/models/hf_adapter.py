@@ -8,6 +8,8 @@ of ``hidden_states`` (post-final-norm, DESIGN.md §6).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
@@ -23,6 +25,7 @@ class HFTarget:
         self.cache = None
         self.length = 0
         self.pending = 0
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters  # transformers >= 4.50
 
     @property
     def cache_length(self) -> int:
@@ -74,6 +77,7 @@ class HFTarget:
         positions: torch.Tensor,
         mask: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        last_logits: bool = False,
     ) -> TargetOutput:
         if self.cache is None:
             raise RuntimeError("call reset(max_length) before forward")
@@ -88,12 +92,13 @@ class HFTarget:
             cache=self.cache,
             use_cache=True,
             output_hidden_states=True,
+            **({"logits_to_keep": 1} if last_logits and self._keeps_logits else {}),
         )
         self.length += n
         self.pending = n
         hs = out.hidden_states
         hidden = {i: hs[i][0] for i in hidden_layers}
-        return TargetOutput(out.logits[0], hs[-1][0], hidden)
+        return TargetOutput(out.logits[0, -1:] if last_logits else out.logits[0], hs[-1][0], hidden)
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

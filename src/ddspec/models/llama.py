@@ -402,6 +402,7 @@ class NativeLlama:
         positions: torch.Tensor,
         mask: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        last_logits: bool = False,
     ) -> TargetOutput:
         cache = self.cache
         if cache is None:
@@ -420,7 +421,7 @@ class NativeLlama:
             features = self.final_norm(x)
             if self.arch.num_layers in hidden_layers:
                 hidden[self.arch.num_layers] = features
-            return TargetOutput(self.lm_head(features), features, hidden)
+            return TargetOutput(self.lm_head(features[-1:] if last_logits else features), features, hidden)
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x[0]
@@ -432,7 +433,7 @@ class NativeLlama:
         features = self.final_norm(x[0])  # [N, H]
         if self.arch.num_layers in hidden_layers:  # as in HF: the last entry is post-norm
             hidden[self.arch.num_layers] = features
-        return TargetOutput(self.lm_head(features), features, hidden)
+        return TargetOutput(self.lm_head(features[-1:] if last_logits else features), features, hidden)
 
     @torch.inference_mode()
     def forward_batch(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
