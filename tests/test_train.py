@@ -391,6 +391,29 @@ def test_sampled_passes_add_new_target_written_answers(tmp_path, capsys):
     assert "nosuch" in err and "tiny" in err and "Traceback" not in err
 
 
+def test_sampled_passes_only_numbered_from_a_later_pass(tmp_path, capsys):
+    """--no-greedy-pass --first-sampled-pass K: only sampled answers, new ones beside an earlier run's passes."""
+    from ddspec.train.generate import load_shards
+
+    runs = {}
+    for name, extra in (("first", []), ("later", ["--no-greedy-pass", "--first-sampled-pass", "2"])):
+        out = tmp_path / name
+        assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--sampled-answers", "1",
+                     "--temperature", "1.0", *extra]) == 0
+        runs[name] = {s["id"]: s["input_ids"] for s in load_shards(out / "data")}
+    later = runs["later"]
+    assert later and all(k.endswith("#s2") for k in later)  # no greedy answers, pass 2 only
+    earlier = {k[:-3]: v for k, v in runs["first"].items() if k.endswith("#s1")}
+    common = [k[:-3] for k in later if k[:-3] in earlier]
+    assert common and sum(not torch.equal(later[k + "#s2"], earlier[k]) for k in common) >= len(common) // 2
+    capsys.readouterr()
+    assert main(["train", "data", "--tiny", "--out", str(tmp_path / "x"), "--threads", "1", "--no-greedy-pass"]) == 2
+    assert "--sampled-answers" in capsys.readouterr().err
+    assert main(["train", "data", "--tiny", "--out", str(tmp_path / "x"), "--threads", "1", "--sampled-answers", "1",
+                 "--first-sampled-pass", "0"]) == 2
+    assert "--first-sampled-pass" in capsys.readouterr().err
+
+
 def test_length_groups_keep_each_group_within_the_padded_budget():
     lengths = [5, 300, 12, 7, 290, 1000, 6]
     groups = length_groups(lengths, 600)

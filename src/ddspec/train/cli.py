@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
     g.add_argument("--sampled-answers", type=int, default=0, metavar="N",
                    help="after the greedy pass, answer the --sample-sources prompts N more times with "
                         "temperature sampling: more target-written data once the prompts are used up (default 0)")
+    g.add_argument("--first-sampled-pass", type=int, default=1, metavar="K",
+                   help="number the sampled passes from K (each pass has its own prompt order and seeds, so "
+                        "passes K.. answer with new text where an earlier run made passes 1..K-1; default 1)")
+    g.add_argument("--greedy-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="answer the prompt mix greedily before any sampled pass (default); --no-greedy-pass makes "
+                        "only sampled answers: new data for a head already trained on the greedy ones")
     g.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature of the sampled passes (default 0.7)")
     g.add_argument("--sample-sources", default=None, metavar="SRC[:CAP],...",

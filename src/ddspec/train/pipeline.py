@@ -90,9 +90,12 @@ def stage_data(args, out: Path, target) -> None:
     log.info(f"{len(records)} prompts after rebalancing; greedy responses up to {settings.max_new_tokens} tokens; "
              f"budget {budget} response tokens")
     passes = _sampled_passes(args, records)
+    greedy = getattr(args, "greedy_pass", True)
+    if not greedy and not passes:
+        raise DdspecError("--no-greedy-pass leaves nothing to generate: add --sampled-answers N")
     with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
-        manifest = run_generation(target, records, out / "data", settings, budget, progress=bar)
-        for k, mix in enumerate(passes, start=1):
+        manifest = run_generation(target, records if greedy else [], out / "data", settings, budget, progress=bar)
+        for k, mix in passes:
             log.info(f"sampled pass {k}: {len(mix)} prompts at temperature {args.temperature}")
             manifest = run_generation(target, mix, out / "data", settings, budget, progress=bar, pass_id=k,
                                       temperature=args.temperature)
@@ -140,6 +143,9 @@ def _sampled_passes(args, records) -> list:
     n = getattr(args, "sampled_answers", 0) or 0
     if n < 0:
         raise DdspecError(f"--sampled-answers must be 0 or more, not {n}")
+    first = getattr(args, "first_sampled_pass", 1)
+    if first < 1:
+        raise DdspecError(f"--first-sampled-pass must be 1 or more, not {first}")
     if not n:
         return []
     if not args.temperature > 0:
@@ -147,7 +153,7 @@ def _sampled_passes(args, records) -> list:
     sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
     chosen = [r for r in records if r.source in sources]
     caps = {s: c for s, c in sources.items() if c is not None}
-    return [balanced_mix(chosen, caps=caps, seed=k) for k in range(1, n + 1)]
+    return [(k, balanced_mix(chosen, caps=caps, seed=k)) for k in range(first, first + n)]
 
 
 def stage_layers(args, out: Path, target) -> None:
