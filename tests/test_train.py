@@ -159,6 +159,31 @@ def test_warm_start_from_an_earlier_head(tmp_path, capsys):
                  "--init-from", str(tmp_path / "missing")]) == 2
 
 
+def test_keep_draft_vocab_carries_the_earlier_heads_vocabulary(tiny_targets, tmp_path):
+    from ddspec.draft.checkpoint import random_head, save_head
+    from ddspec.train.pipeline import _new_head
+
+    target = tiny_targets[("llama", "native")]
+    earlier = random_head(target.hf_config, seed=3)
+    ids = torch.arange(0, 64, 2)  # a 32-token draft vocabulary: the even ids
+    earlier.register_buffer("d2t", ids - torch.arange(32))
+    save_head(earlier, tmp_path / "earlier")
+    # this run's data speaks only odd ids: counting it would choose another vocabulary
+    seqs = [{"input_ids": torch.arange(1, 80, 2), "prompt_len": 0}]
+    kept = _new_head(target, seqs, 32, str(tmp_path / "earlier"), keep_vocab=True)
+    assert torch.equal(kept.d2t, earlier.d2t)
+    assert torch.equal(kept.layers[0].mlp.up_proj.weight, earlier.layers[0].mlp.up_proj.weight)
+    counted = _new_head(target, seqs, 32, str(tmp_path / "earlier"))
+    assert not torch.equal(counted.d2t, earlier.d2t) and bool(((counted.d2t + torch.arange(32)) % 2 == 1).any())
+    with pytest.raises(DdspecError, match="--draft-vocab 16"):
+        _new_head(target, seqs, 16, str(tmp_path / "earlier"), keep_vocab=True)
+    with pytest.raises(DdspecError, match="pass --init-from"):
+        _new_head(target, seqs, 32, None, keep_vocab=True)
+    save_head(random_head(target.hf_config, seed=4), tmp_path / "full")
+    with pytest.raises(DdspecError, match="full vocabulary"):
+        _new_head(target, seqs, 32, str(tmp_path / "full"), keep_vocab=True)
+
+
 def test_data_from_another_target_is_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0

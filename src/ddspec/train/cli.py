@@ -92,7 +92,12 @@ def add_parser(sub) -> None:
     g.add_argument("--init-from", default=None, metavar="HEAD",
                    help="start from the weights of an earlier head (a folder: an EAGLE-1/2 head, or with "
                         "--arch eagle3 an EAGLE-3 head reading the same layers) instead of random ones: a warm "
-                        "start when more data arrives. The draft vocabulary is still chosen from this run's data")
+                        "start when more data arrives. The draft vocabulary is still chosen from this run's data, "
+                        "unless --keep-draft-vocab")
+    g.add_argument("--keep-draft-vocab", action="store_true",
+                   help="with --init-from (an EAGLE-1/2 head): keep that head's draft vocabulary instead of counting "
+                        "this run's tokens: for a round on new data alone, whose token counts would favour its "
+                        "own kind of text (chat answers only, say)")
     g.add_argument("--fuse-layers", default=None, metavar="A,B",
                    help="make a head that also reads the target's residual stream at the inputs of these layers "
                         "(HF hidden_states indices, e.g. 2,15 of 30), fused into its input feature at committed "

@@ -87,7 +87,7 @@ def stage_data(args, out: Path, target) -> None:
                                       capture_layers=capture)
     if capture:
         log.info(f"keeping the residual streams entering target layers {list(capture)} (EAGLE-3's inputs)")
-    log.info(f"{len(records)} prompts after rebalancing; greedy responses up to {settings.max_new_tokens} tokens; "
+    log.info(f"{len(records)} prompts after rebalancing; responses up to {settings.max_new_tokens} tokens; "
              f"budget {budget} response tokens")
     passes = _sampled_passes(args, records)
     greedy = getattr(args, "greedy_pass", True)
@@ -195,9 +195,10 @@ def _warm_start_eagle3(head, init_from: str, target) -> None:
 
 
 def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None, fuse_layers: tuple[int, ...] = (),
-              layers: int = 0):
+              layers: int = 0, keep_vocab: bool = False):
     """The head to train: random, or warm-started from ``init_from``. ``layers`` = 0 keeps the
-    earlier head's depth (1 for a random head); more layers than it has start as the identity."""
+    earlier head's depth (1 for a random head); more layers than it has start as the identity.
+    ``keep_vocab``: the earlier head's draft vocabulary, not one counted from ``sequences``."""
     from ddspec.draft.checkpoint import add_identity_layers, load_head, random_head
     from ddspec.train.trainer import draft_vocabulary
 
@@ -218,7 +219,18 @@ def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None,
             raise DdspecError(f"--init-from {init_from}: that head does not fit this target's head "
                               f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
         add_identity_layers(head, earlier)
-    if draft_vocab:
+    if keep_vocab:
+        if earlier is None:
+            raise DdspecError("--keep-draft-vocab keeps the draft vocabulary of the --init-from head: pass --init-from")
+        d2t = getattr(earlier, "d2t", None)
+        if d2t is None:
+            raise DdspecError(f"--keep-draft-vocab: {init_from} drafts over the full vocabulary (no d2t); "
+                              "drop --keep-draft-vocab, or pass --draft-vocab N")
+        if draft_vocab and draft_vocab != d2t.numel():
+            raise DdspecError(f"--keep-draft-vocab: {init_from} has a {d2t.numel()}-token draft vocabulary, "
+                              f"not --draft-vocab {draft_vocab}")
+        head.register_buffer("d2t", d2t.clone())
+    elif draft_vocab:
         ids = draft_vocabulary(sequences, draft_vocab, target.info.vocab_size)
         head.register_buffer("d2t", ids - torch.arange(ids.numel()))
     return head
@@ -245,6 +257,8 @@ def stage_fit(args, out: Path, target) -> None:
         raise DdspecError(f"{out / 'data'} holds no layer states for an EAGLE-3 head "
                           f"({'layers ' + str(kept) if kept else 'none'}): make its data with "
                           f"`ddspec train data --arch eagle3 --out FOLDER` (a new folder)")
+    if eagle3 and getattr(args, "keep_draft_vocab", False):
+        raise DdspecError("--keep-draft-vocab is for EAGLE-1/2 heads; an EAGLE-3 head's vocabulary comes from its data")
     if eagle3 and getattr(args, "fuse_layers", None):
         raise DdspecError("--fuse-layers is for EAGLE-1/2 heads; an EAGLE-3 head reads its layers from the data stage")
     fuse_layers = parse_layers(getattr(args, "fuse_layers", None), target.hf_config["num_hidden_layers"])
@@ -278,7 +292,8 @@ def stage_fit(args, out: Path, target) -> None:
         if init_from:
             _warm_start_eagle3(head, init_from, target)
     else:
-        head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers)
+        head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers,
+                         getattr(args, "keep_draft_vocab", False))
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
