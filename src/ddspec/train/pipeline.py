@@ -94,7 +94,7 @@ def stage_data(args, out: Path, target) -> None:
     if not greedy and not passes:
         raise DdspecError("--no-greedy-pass leaves nothing to generate: add --sampled-answers N")
     with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
-        manifest = run_generation(target, records if greedy else [], out / "data", settings, budget, progress=bar)
+        manifest = run_generation(target, records, out / "data", settings, budget, progress=bar) if greedy else None
         for k, mix in passes:
             log.info(f"sampled pass {k}: {len(mix)} prompts at temperature {args.temperature}")
             manifest = run_generation(target, mix, out / "data", settings, budget, progress=bar, pass_id=k,
