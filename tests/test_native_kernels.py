@@ -303,3 +303,151 @@ def test_both_attention_passes_equal_the_torch_layer_and_each_other(tmp_path, sh
         native.set_attention("auto")
     with pytest.raises(KeyError):
         native.set_attention("fast")
+
+
+def int8_reference(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T as the 8-bit activation kernels define it, written plainly in float64: per row and
+    block of 32 inputs, dx = max|x| / 127 and qx = round-half-even(x * (127 / max|x|)) in fp32,
+    then d * dx * sum(q * qx) (+ m * sum(x) for Q4_1)."""
+    _, qs, d, m = weight.rows
+    out, inp = weight.out_features, weight.in_features
+    nb = inp // 32
+    q = (torch.cat([qs & 0x0F, qs >> 4], dim=-1) if kind == "q4_1" else qs.view(torch.int8)).reshape(out, nb, 32)
+    xb = x.float().reshape(x.shape[0], nb, 32)
+    mx = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))  # fp32, as the kernel
+    qx = torch.round(xb * inv)
+    dx = (mx / 127.0).double()
+    isum = torch.einsum("rbk,obk->rob", qx.double(), q.double())
+    y = (isum * d.double().reshape(1, out, nb) * dx.reshape(-1, 1, nb)).sum(-1)
+    if kind == "q4_1":
+        y = y + (m.double().reshape(1, out, nb) * xb.double().sum(-1).reshape(-1, 1, nb)).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
+    """--activations int8: the kernels equal the plain definition (float64) to fp32 rounding, stay
+    close to the fp32 product (the rounding of x costs about 1%), and a row never depends on the
+    others or on the thread count."""
+    weight, dense = quantised(kind, 40, 96, seed=3)
+    fast = weight.with_int8_activations()
+    assert fast.kind == kind + "a8" and fast.nbytes == weight.nbytes
+    x = torch.randn(13, 96)
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0
+    x[5, 7] = 40.0  # one large value: the rest of its block rounds coarsely
+    y = fast(x)
+    ref = int8_reference(kind, weight, x)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 2e-6
+    exact = x @ dense.t()
+    assert ((y - exact).norm() / exact.norm()).item() <= 3e-2
+    for r in range(13):
+        assert torch.equal(y[r], fast(x[r:r + 1])[0])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(fast(x), y)
+    finally:
+        torch.set_num_threads(2)
+
+
+def _quantise_dense(w: dict, monkeypatch) -> None:
+    """Make the native target read Q4_1 blocks (Q8_0 for the embeddings) quantised from the tiny
+    model's own weights, as if they came from a GGUF."""
+    import gguf
+
+    from ddspec.models import loading
+    from ddspec.models.gguf_blocks import _split
+    from ddspec.models.llama import NativeLlama
+
+    def blocks(self, path, weights):
+        out = {}
+        for name, t in weights.items():
+            if t.dim() != 2 or t.shape[1] % 32:
+                continue
+            kind = "q8_0" if "embed" in name else "q4_1"
+            qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
+            raw = gguf.quantize(t.float().numpy(), qtype)
+            qs, d, m = _split(kind, raw, t.shape[0])
+            out[name] = native.NativeWeight(kind, t.shape[0], t.shape[1], qs=torch.from_numpy(np.ascontiguousarray(qs)),
+                                            d=torch.from_numpy(d.astype(np.float32)),
+                                            m=None if m is None else torch.from_numpy(m.astype(np.float32)))
+        return out
+
+    monkeypatch.setattr(NativeLlama, "_gguf_blocks", blocks)
+    monkeypatch.setattr(loading, "_gguf_source", lambda spec: "blocks.gguf")
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "ddspec"])
+def test_int8_activations_keep_every_method_lossless(tiny_dirs, method, monkeypatch):
+    """A target on Q4_1 blocks with 8-bit activations: every matmul of the blocks runs on the int8
+    kernels (prefill, decoding and trees alike), its logits stay near the fp32-activation model's,
+    and every method's greedy output equals plain decoding with it."""
+    from ddspec.config import StopConfig
+    from ddspec.engine import Engine
+    from ddspec.models.loading import load_target
+    from test_spec_engine import PROMPTS, eagle
+
+    _quantise_dense({}, monkeypatch)
+    target = load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")
+    assert target.layer_plan.needed == {"native"} and target.head_plan.needed == {"native"}
+    assert {target.layers[0].qkv.native.kind, target.layers[0].down.native.kind} == {"q4_1a8"}
+    assert target.lm_head_w.native.kind == "q8_0a8"
+    assert target.lm_head_blocks(None).kind == "q8_0"  # draft heads' lm_heads keep the blocks as read
+    if method == "chain":
+        fp32 = load_target(str(tiny_dirs["llama"]), impl="native")
+        tokens = torch.tensor(PROMPTS[0])
+        for t in (target, fp32):
+            t.reset(20)
+        a, b = (t.forward(tokens, torch.arange(len(tokens))).logits for t in (target, fp32))
+        assert ((a - b).norm() / b.norm()).item() <= 0.1  # a wrong layout or scale gives ~1
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    for prompt in PROMPTS[:2]:
+        ref = Engine(target).generate(prompt, stop).token_ids
+        assert Engine(target, eagle(target, method)).generate(prompt, stop).token_ids == ref
+
+
+def test_int8_activations_are_refused_where_they_cannot_run(tiny_dirs, monkeypatch):
+    from ddspec.errors import ConfigError
+    from ddspec.models.loading import ModelLoadError, load_target
+
+    with pytest.raises(ConfigError, match="Q4_1 / Q8_0.*--activations fp32"):
+        load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")  # dense weights: nothing to round for
+    with pytest.raises(ModelLoadError, match="native implementation"):
+        load_target(str(tiny_dirs["llama"]), impl="hf", activations="int8")
+    _quantise_dense({}, monkeypatch)
+    monkeypatch.setenv("DDSPEC_KERNEL", "onednn")
+    with pytest.raises(ConfigError, match="DDSPEC_KERNEL=onednn"):
+        load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs, activations, monkeypatch):
+    """The fused layers' attention sums a row's visible keys in the same lanes whatever the other
+    rows, the tree's shape or the masked keys: each node's features equal, bit for bit, those of
+    decoding its path one token at a time (what keeps 8-bit activations, which would turn an ulp
+    into a different rounding of x, exactly lossless)."""
+    from ddspec.models.loading import load_target
+
+    _quantise_dense({}, monkeypatch)
+    target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(0, 128, (13,), generator=gen)
+    # root 0; children 1, 2; 3 under 1; 4 under 2; 5 under 3
+    parents = [-1, 0, 0, 1, 2, 3]
+    tokens = torch.randint(0, 128, (len(parents),), generator=gen)
+    depth = [0] * len(parents)
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        if p >= 0:
+            mask[i] |= mask[p]
+            depth[i] = depth[p] + 1
+    target.reset(40)
+    target.forward(prefix, torch.arange(13))
+    tree = target.forward(tokens, 13 + torch.tensor(depth), mask).features
+    for node in range(len(parents)):
+        path = [i for i in range(len(parents)) if mask[node, i]]
+        target.truncate(13)
+        for step, i in enumerate(path):
+            out = target.forward(tokens[i:i + 1], torch.tensor([13 + step]))
+        assert torch.equal(out.features[0], tree[node]), f"node {node} (path {path})"

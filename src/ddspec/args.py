@@ -30,8 +30,10 @@ def target_from_args(args: argparse.Namespace, model: str | None = None, impl: s
     """The target named by --model, --impl, --device and --dtype (``model`` / ``impl`` override)."""
     from ddspec.models.loading import load_target
 
-    return load_target(args.model if model is None else model, impl=impl or args.impl, device=args.device,
-                       dtype=torch_dtype(args.dtype))
+    impl = impl or args.impl
+    activations = getattr(args, "activations", "fp32") if impl != "hf" else "fp32"
+    return load_target(args.model if model is None else model, impl=impl, device=args.device,
+                       dtype=torch_dtype(args.dtype), activations=activations)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weight and activation dtype (default float32; bf16/fp16 are very slow on CPUs "
                         "without native support)")
+    g.add_argument("--activations", default="fp32", choices=("fp32", "int8"),
+                   help="int8: the GGUF model's Q4_1 / Q8_0 weights multiply activations rounded to 8 bits per "
+                        "block of 32, as llama.cpp does: faster (most when verifying several tokens) and a "
+                        "slightly different model, which plain and speculative decoding then share (outputs "
+                        "still identical between methods). Native CPU kernels only. Default: fp32")
     g.add_argument("--threads", type=int, default=core_count(),
                    help="torch CPU threads (default: the number of cores, %(default)s)")
 

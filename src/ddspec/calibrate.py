@@ -44,11 +44,14 @@ RETRY_BUDGET_S = 15.0  # no new attempt starts after this long (a first run must
 def cost_key(target, head, top_k: int) -> dict:
     head_sum = sum(float(p.detach().double().abs().sum()) for p in head.parameters())
     draft_vocab = head.d2t.numel() if hasattr(head, "d2t") else target.info.vocab_size
-    return {
+    key = {
         "format": FORMAT, "target": target.info.name, "impl": type(target).__name__,
         "head": f"{head_sum:.6e}:{draft_vocab}", "device": str(target.device), "dtype": str(target.dtype),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cpu": cpu_name(), "top_k": top_k,
     }
+    if getattr(target, "activations", "fp32") != "fp32":  # another model, other costs (fp32 keys unchanged)
+        key["activations"] = target.activations
+    return key
 
 
 def cache_path(key: dict) -> Path:

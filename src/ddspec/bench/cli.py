@@ -82,6 +82,8 @@ def run_settings(args: argparse.Namespace) -> dict:
             "sample_top_k", "seed", "tree_top_k", "depth", "total_tokens", "ddd_threshold", "max_depth")
     settings = {k: getattr(args, k) for k in keys}
     settings["ddd_check_depths"] = list(args.ddd_check_depths)
+    if getattr(args, "activations", "fp32") != "fp32":  # absent from runs made before the option
+        settings["activations"] = args.activations
     return settings
 
 

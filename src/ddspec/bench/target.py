@@ -1,12 +1,14 @@
 """Benchmark of the target layer on the default model (issue: foundation).
 
 Prints, in one run, on this machine:
-1. greedy decoding tokens/s at 256 new tokens: ddspec's native plain decoding vs HF
-   ``generate`` (median of R interleaved runs, same prompt, both forced to 256 tokens);
+1. greedy decoding tokens/s at 256 new tokens: ddspec's native plain decoding (fp32
+   activations, and ``--activations int8`` where the model has GGUF blocks) vs HF ``generate``
+   (median of R interleaved runs, same prompt, all forced to 256 tokens), and how many of the
+   int8 model's tokens equal the fp32 model's before the first difference;
 2. the memory floor: fp32 weight bytes / measured copy bandwidth (STREAM convention: bytes read
    + bytes written per second), and the fraction of it our decoding reaches;
 3. the time of one target forward over N = 1..64 new tokens after a 256-token prefix, for the
-   native and the HF implementation (median of several repetitions), with the matmul kernels the
+   native (fp32 and int8 activations) and the HF implementation (median of several repetitions), with the matmul kernels the
    native target chose on this machine (models/kernels.py);
 4. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
    over the draft vocabulary, top-k) for top_k = 1..16.
@@ -65,11 +67,28 @@ def bytes_read_per_token(target) -> int:
     return layers + size(target.lm_head_w, target.head_plan.kernel(1))
 
 
-def time_ours(target, ids: list[int], n: int) -> float:
+def time_ours(target, ids: list[int], n: int) -> tuple[float, list[int]]:
+    """tokens/s of plain decoding, and the tokens."""
     t = time.perf_counter()
     res = Engine(target).generate(ids, StopConfig(max_new_tokens=n, stop_on_eos=False))
     assert res.stats.new_tokens == n
-    return n / (time.perf_counter() - t)
+    return n / (time.perf_counter() - t), list(res.token_ids)
+
+
+def load_int8():
+    """The default model with 8-bit activations, or None (with the reason printed) where it cannot run."""
+    from ddspec.errors import DdspecError
+    from ddspec.models.loading import load_target
+
+    try:
+        return load_target("default", impl="native", activations="int8")
+    except DdspecError as e:
+        print(f"no int8 arm: {e}", flush=True)
+        return None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def time_hf_generate(model, ids: list[int], n: int) -> float:
@@ -146,25 +165,48 @@ def main(argv: list[str] | None = None) -> int:
     from ddspec.models.loading import load_target
 
     native = load_target("default", impl="native")
+    int8 = load_int8()
     hf = load_target("default", impl="hf")
     ids = chat_prompt_ids(native.tokenizer, [{"role": "user", "content": PROMPT}])
 
-    time_ours(native, ids, 16)  # warm-up both arms
+    arms = {"native": native} | ({"int8": int8} if int8 is not None else {})
+    for target in arms.values():  # warm-up every arm
+        time_ours(target, ids, 16)
     time_hf_generate(hf.model, ids, 16)
-    ours, theirs = [], []
+    ours: dict[str, list[float]] = {name: [] for name in arms}
+    texts: dict[str, list[int]] = {}
+    theirs = []
     for r in range(args.repeats):
-        ours.append(time_ours(native, ids, args.new_tokens))
+        for name, target in arms.items():
+            speed, texts[name] = time_ours(target, ids, args.new_tokens)
+            ours[name].append(speed)
         theirs.append(time_hf_generate(hf.model, ids, args.new_tokens))
-        print(f"run {r + 1}/{args.repeats}: native {ours[-1]:.1f} tok/s, HF generate {theirs[-1]:.1f} tok/s", flush=True)
+        print(f"run {r + 1}/{args.repeats}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in ours.items())
+              + f", HF generate {theirs[-1]:.1f} tok/s", flush=True)
     bw = copy_bandwidth()
     wbytes = weight_bytes(hf.model)
     floor_ms = wbytes / bw * 1e3
     read = bytes_read_per_token(native)
     read_floor_ms = read / bw * 1e3
-    ours_med, theirs_med = statistics.median(ours), statistics.median(theirs)
-    fwd_native = forward_times(native, 256)
+    med = {name: statistics.median(v) for name, v in ours.items()}
+    ours_med, theirs_med = med["native"], statistics.median(theirs)
+    fwd = {name: forward_times(target, 256) for name, target in arms.items()}
+    fwd_native = fwd["native"]
     fwd_hf = forward_times(hf, 256)
     levels = draft_level_times(native)
+    int8_rows = []
+    if int8 is not None:
+        same = common_prefix(texts["native"], texts["int8"])
+        int8_rows = [f"| ddspec native plain decoding, `--activations int8` | {med['int8']:.1f} | "
+                     f"{1e3 / med['int8']:.1f} | {med['int8'] / theirs_med:.2f}x |"]
+        int8_note = (f"`--activations int8`: its first {same} of {args.new_tokens} tokens equal the fp32 model's "
+                     f"(the rounding of activations makes it a slightly different model; every method's output "
+                     f"equals plain decoding with the same setting).")
+    else:
+        int8_note = "No `--activations int8` arm here (the model has no GGUF blocks or the kernels are unavailable)."
+    curve_rows = [f"| native, int8 activations | " + " | ".join(f"{fwd['int8'][n]:.1f}" for n in SIZES) + " |"
+                  ] if int8 is not None else []
+    ratio = lambda f: f"T(8)/T(1) = {f[8] / f[1]:.2f}x, T(16)/T(1) = {f[16] / f[1]:.2f}x"  # noqa: E731
 
     lines = [
         f"# Target benchmark: {native.info.name}, fp32",
@@ -179,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|",
         f"| HF `generate` | {theirs_med:.1f} | {1e3 / theirs_med:.1f} | 1.00x |",
         f"| ddspec native plain decoding | {ours_med:.1f} | {1e3 / ours_med:.1f} | {ours_med / theirs_med:.2f}x |",
+        *int8_rows,
+        "",
+        int8_note,
         "",
         f"Memory floor of the fp32 model: {wbytes / 1e6:.0f} MB of weights / {bw / 1e9:.1f} GB/s copy bandwidth = "
         f"{floor_ms:.1f} ms/token ({1e3 / floor_ms:.1f} tokens/s). The kernels chosen here read "
@@ -191,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         "| N | " + " | ".join(str(n) for n in SIZES) + " |",
         "|---|" + "---|" * len(SIZES),
         "| native | " + " | ".join(f"{fwd_native[n]:.1f}" for n in SIZES) + " |",
+        *curve_rows,
         "| HF adapter | " + " | ".join(f"{fwd_hf[n]:.1f}" for n in SIZES) + " |",
         "",
-        f"native T(8)/T(1) = {fwd_native[8] / fwd_native[1]:.2f}x, T(16)/T(1) = {fwd_native[16] / fwd_native[1]:.2f}x; "
+        f"native {ratio(fwd_native)}" + (f"; int8 activations {ratio(fwd['int8'])}" if int8 is not None else "")
+        + "; "
         f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}",
         "",
         "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "

@@ -27,12 +27,23 @@ from ddspec.models.llama import LlamaLayer, layer_forward, measure_layers_plan, 
 
 def draft_weights() -> str:
     """How the native kernel holds a head's matmul weights: ``DDSPEC_DRAFT_WEIGHTS`` = ``exact``
-    (their values; fp16 when they are fp16 values) or ``q8_0`` (GGUF Q8_0 blocks: a quarter of
-    fp32's bytes; the drafts change a little, the output does not: the target verifies them)."""
+    (their values; fp16 when they are fp16 values), ``q8_0`` (GGUF Q8_0 blocks: a quarter of
+    fp32's bytes) or ``q8_0a8`` (those blocks with activations rounded to 8 bits, also for the
+    draft lm_head: the integer kernels). The drafts change a little, the output does not: the
+    target verifies them."""
     value = os.environ.get("DDSPEC_DRAFT_WEIGHTS", DEFAULT_DRAFT_WEIGHTS).strip().lower()
-    if value not in ("exact", "q8_0"):
-        raise ConfigError(f"DDSPEC_DRAFT_WEIGHTS={value!r}: choose exact or q8_0")
+    if value not in DRAFT_WEIGHTS:
+        raise ConfigError(f"DDSPEC_DRAFT_WEIGHTS={value!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
     return value
+
+
+DRAFT_WEIGHTS = ("exact", "q8_0", "q8_0a8")
+
+
+def _blocks(mats: dict, weights: str) -> dict:
+    """Q8_0 copies of the head's matrices (8-bit activations too for ``q8_0a8``)."""
+    blocks = {k: native_lib.NativeWeight.q8_0(m) for k, m in mats.items()}
+    return {k: b.with_int8_activations() for k, b in blocks.items()} if weights == "q8_0a8" else blocks
 
 
 DEFAULT_DRAFT_WEIGHTS = "q8_0"  # measured: the same tau, cheaper levels (AMD EPYC, 2026-12-01)
@@ -45,8 +56,8 @@ class PackedHead:
         n_layers = len(head.layers)
         names = [k for k in state if k.endswith("_proj.weight")] + ["fc.weight"] + (["fuse.weight"] if head.fuse_layers else [])
         self.weights = weights or draft_weights()
-        quantise = self.weights == "q8_0" and native_lib.available() and all(state[k].shape[1] % 32 == 0 for k in names)
-        blocks = {k: native_lib.NativeWeight.q8_0(state[k]) for k in names} if quantise else None
+        quantise = self.weights != "exact" and native_lib.available() and all(state[k].shape[1] % 32 == 0 for k in names)
+        blocks = _blocks({k: state[k] for k in names}, self.weights) if quantise else None
 
         def measure(options) -> KernelPlan:  # whole head layers, as a draft level runs them
             plan = KernelPlan.uniform("mm")
@@ -55,7 +66,7 @@ class PackedHead:
 
         w = state[names[0]]
         self.plan = choose_plan(f"head layers x{n_layers}", [list(state[k].shape) for k in names], w.device, w.dtype,
-                                measure, "q8_0" if quantise else "")
+                                measure, self.weights if quantise else "")
         needed = self.plan.needed
         self.fc = Weight(state["fc.weight"], needed, blocks and blocks["fc.weight"])
         self.fc_bias = state.get("fc.bias")
@@ -106,12 +117,15 @@ class DraftLMHead:
     """The target's lm_head restricted to the draft vocabulary, on the kernel-planned path.
 
     blocks: the same rows as GGUF blocks (``NativeLlama.lm_head_blocks``), used by the
-    ``native`` kernel only if they rebuild ``lm_head_oi`` exactly (checked here)."""
+    ``native`` kernel only if they rebuild ``lm_head_oi`` exactly (checked here); int8: then with
+    8-bit activations (``DDSPEC_DRAFT_WEIGHTS=q8_0a8``)."""
 
-    def __init__(self, lm_head_oi: torch.Tensor, blocks=None) -> None:  # [Vd, H]
+    def __init__(self, lm_head_oi: torch.Tensor, blocks=None, int8: bool = False) -> None:  # [Vd, H]
         w = lm_head_oi.contiguous()
         if blocks is not None and not torch.equal(blocks(torch.eye(w.shape[1], dtype=w.dtype)), w.t()):
             blocks = None  # another head's own lm_head: its fp32 values it is
+        if blocks is not None and int8:
+            blocks = blocks.with_int8_activations()
         variant = "" if blocks is None else blocks.kind
         self.plan = choose_plan("draft lm_head", [list(w.shape)], w.device, w.dtype,
                                 lambda options: measure_plan([[Weight(w, set(options), blocks)]], options), variant)
@@ -142,8 +156,8 @@ class PackedEagle3Head:
         self.qkv_bias = (torch.cat([state[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"])
                          if f"{p}self_attn.q_proj.bias" in state else None)
         self.weights = weights or draft_weights()
-        quantise = self.weights == "q8_0" and native_lib.available() and all(m.shape[1] % 32 == 0 for m in mats.values())
-        blocks = {k: native_lib.NativeWeight.q8_0(m) for k, m in mats.items()} if quantise else {}
+        quantise = self.weights != "exact" and native_lib.available() and all(m.shape[1] % 32 == 0 for m in mats.values())
+        blocks = _blocks(mats, self.weights) if quantise else {}
         layer = ["qkv", "o", "gate_up", "down"]
 
         def measure(options) -> KernelPlan:  # the midlayer's matmuls, as a draft level runs them
@@ -151,7 +165,7 @@ class PackedEagle3Head:
 
         w = mats["qkv"]
         self.plan = choose_plan("eagle3 midlayer", [list(mats[k].shape) for k in layer], w.device, w.dtype, measure,
-                                "q8_0" if quantise else "")
+                                self.weights if quantise else "")
         self.mats = {k: Weight(m, self.plan.needed, blocks.get(k)) for k, m in mats.items()}
         self.norms = {k: state[f"{p}{k}.weight"] for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
         self._array = None

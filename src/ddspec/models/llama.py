@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
-from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
+from ddspec.models.kernels import KernelPlan, Weight, choose_plan, forced_kernel, measure_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +282,15 @@ class NativeLlama:
         dtype: torch.dtype = torch.float32,
         plans: tuple[KernelPlan, KernelPlan] | None = None,
         gguf=None,
+        activations: str = "fp32",
     ) -> None:
         """plans: the matmul kernels of the decoder layers and of the lm_head (models/kernels.py);
         None = the cached choice for this machine, measured on first use (a few seconds).
         gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
-        then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes)."""
+        then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes).
+        activations: ``fp32``, or ``int8``: those blocks multiply activations rounded to 8 bits per
+        block of 32 (as llama.cpp does; native/ddspec_kernels.c, DD_Q4_1_A8): faster, most at
+        several rows, and a slightly different model (plain and speculative decoding share it)."""
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.hf_config = dict(hf_config)
         self.info, self.tokenizer = info, tokenizer
@@ -296,11 +301,13 @@ class NativeLlama:
         head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self._lm_head_oi = head  # [V, H] (the embeddings when tied: no copy)
         self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
-        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head)
-        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=self.blocks)
+        self.activations = activations
+        compute = self._activation_blocks(activations)  # what the target multiplies with
+        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head, compute)
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
                        for i in range(self.arch.num_layers)]
         head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
-        self.lm_head_w = Weight(head, self.head_plan.needed, self.blocks.get(head_name))
+        self.lm_head_w = Weight(head, self.head_plan.needed, compute.get(head_name))
         # the layers hold their (stacked) blocks now; keep only the lm_head's, for draft lm_heads
         self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
         self.rotary = Rotary(self.arch, self.device, dtype)
@@ -323,24 +330,45 @@ class NativeLlama:
 
         return native_weights(gguf, w, orders_path(Path(gguf)))
 
-    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor) -> tuple[KernelPlan, KernelPlan]:
+    def _activation_blocks(self, activations: str) -> dict:
+        """The blocks the target multiplies with: ``self.blocks``, or for ``int8`` their kinds with
+        8-bit activations (``self.blocks`` stays as read, for draft heads' lm_heads)."""
+        if activations == "fp32":
+            return self.blocks
+        if activations != "int8":
+            raise ConfigError(f"unknown activations {activations!r}: choose fp32 or int8")
+        if not any(b.kind in ("q4_1", "q8_0") for b in self.blocks.values()):
+            raise ConfigError(
+                f"--activations int8 multiplies a GGUF model's Q4_1 / Q8_0 weights on a CPU with ddspec's "
+                f"kernels; {self.info.name or 'this model'} has none here (a .gguf file and --device cpu "
+                f"--dtype float32 give them). Use --activations fp32.")
+        return {k: b.with_int8_activations() for k, b in self.blocks.items()}
+
+    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor,
+                      blocks: dict) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
         few layers' own weights and on the lm_head."""
         import sys
 
+        if blocks is not self.blocks:  # int8 activations: every matmul of the blocks on those kernels, one model
+            forced = forced_kernel()
+            if forced not in (None, "native"):
+                raise ConfigError(f"--activations int8 runs on the native kernels; DDSPEC_KERNEL={forced} asks for "
+                                  f"another. Unset DDSPEC_KERNEL or use --activations fp32.")
+            return KernelPlan.uniform("native"), KernelPlan.uniform("native")
         probe_layers = range(min(4, self.arch.num_layers))
 
         def layers(options: tuple[str, ...]) -> KernelPlan:
             print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
-            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options), self.blocks)
+            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options), blocks)
                      for i in probe_layers]
             return measure_layers_plan(probe, self.arch, Rotary(self.arch, self.device, self.dtype), options)
 
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
-        variant = ",".join(sorted({f"{b.kind}" for b in self.blocks.values()}))  # which GGUF blocks the native kernel reads
-        head_blocks = self.blocks.get("embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight")
+        variant = ",".join(sorted({f"{b.kind}" for b in blocks.values()}))  # which GGUF blocks the native kernel reads
+        head_blocks = blocks.get("embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight")
         layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers, variant)
         head_plan = choose_plan("lm_head", [list(head.shape)], self.device, self.dtype,
                                 lambda options: measure_plan([[Weight(head, set(options), head_blocks)]], options),

@@ -239,8 +239,10 @@ def load_target(
     impl: str = "auto",
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    activations: str = "fp32",
 ):
-    """Load a target model: ``impl`` is auto (native when the family allows), native or hf."""
+    """Load a target model: ``impl`` is auto (native when the family allows), native or hf.
+    activations: ``fp32``, or ``int8`` (native with GGUF blocks only; see NativeLlama)."""
     if impl not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     if str(device).startswith("cpu"):
@@ -259,10 +261,14 @@ def load_target(
             f"the native implementation supports {', '.join(SUPPORTED_NATIVE_FAMILIES)}; {spec} is "
             f"{family!r}. Use --impl hf (any HF causal LM with 4D masks) or leave --impl auto."
         )
+    if activations != "fp32" and (impl == "hf" or not native_ok):
+        raise ModelLoadError(f"--activations {activations} needs the native implementation (--impl native or "
+                             f"auto, a Llama-family model); use --activations fp32 with --impl hf")
     if impl == "native" or (impl == "auto" and native_ok):
         from ddspec.models.llama import NativeLlama
 
-        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype, gguf=gguf)
+        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype, gguf=gguf,
+                           activations=activations)
     return load_hf_target(model_dir, info, tokenizer, device, dtype)
 
 

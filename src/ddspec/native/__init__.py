@@ -42,7 +42,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-
 # of CPU; one unit 18.5 s; six parts 17.0 s wall, 32.2 s of CPU (each part parses the headers
 # and loses cross-function optimisation); two parts 15.0 s wall, 23.6 s of CPU
 PARTS = (1 << 1 | 1 << 6, 1 << 2 | 1 << 3, 1 << 4 | 1 << 5)
-KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4}
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6}
 HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 _lib: ctypes.CDLL | None = None
@@ -273,6 +273,15 @@ class NativeWeight:
         q = (blocks * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
         return cls("q8_0", out, inp, qs=q, d=d)
 
+    def with_int8_activations(self) -> "NativeWeight":
+        """This Q4_1 / Q8_0 weight multiplying activations rounded to 8 bits per block of 32
+        (kinds ``q4_1a8`` / ``q8_0a8``; see ddspec_kernels.c); other kinds unchanged."""
+        kind = {"q4_1": "q4_1a8", "q8_0": "q8_0a8"}.get(self.kind)
+        if kind is None:
+            return self
+        w, qs, d, m = self.rows
+        return NativeWeight(kind, self.out_features, self.in_features, w=w, qs=qs, d=d, m=m, bias=self.bias)
+
     def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
         if bias is None:
             return self
@@ -318,11 +327,21 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
     if kind in HALVES:
         return grouped(w.to(HALVES[kind])), None, None, None
     nb = inp // 32
-    if kind == "q4_1":
+    if kind == "q4_1a8":  # per quad of 4 inputs: byte 4o + j = q(o, 4i + j) | q(o + 8, 4i + j) << 4
+        q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16]
+        q = q.reshape(groups, nb, 8, 4, GROUP)  # [G, block, quad, j, output]
+        levels = (q[..., :8] | (q[..., 8:] << 4)).permute(0, 1, 2, 4, 3).reshape(groups, nb, 256)
+        head = [grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))]
+    elif kind == "q4_1":
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
         q = grouped(q)  # [G, in, 16] values 0..15
         levels = (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)  # byte j: output j (low), j + 8 (high)
         head = [grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))]  # [G, nb, 16] each
+    elif kind == "q8_0a8":  # per quad of 4 inputs: outputs 0-7 then 8-15, byte 4o + j = q(o, 4i + j)
+        q = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8)  # [G, in, 16]
+        q = q.reshape(groups, nb, 8, 4, 2, 8)  # [G, block, quad, j, half, output]
+        levels = q.permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 512)
+        head = [grouped(d.float().reshape(out, nb))]
     else:
         levels = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8).reshape(groups, nb, 512)
         head = [grouped(d.float().reshape(out, nb))]

@@ -27,7 +27,7 @@
 #include <string.h>
 #include <omp.h>
 
-enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4 };
+enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8 = 5, DD_Q8_0_A8 = 6 };
 
 /* A weight W [out, in] packed in groups of 16 outputs (G = ceil(out / 16) groups; padding
  * outputs hold zeros), so that one 8-lane vector holds 8 outputs' weights at one input k:
@@ -80,6 +80,8 @@ typedef struct {
 #endif
 DD_SHARED void qgemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void qgemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_SHARED void a8gemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void dense_gemm_shared_f32(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void dense_gemm_shared_f16(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void dense_gemm_shared_bf16(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
@@ -438,6 +440,196 @@ QPASSES(DD_Q8_0, q8_0)
 QGEMM(DD_Q8_0, q8_0)
 #endif
 
+
+#if DD_HAS(1) || DD_HAS(2)
+/* Rows [0, n) of x [n, in] -> qx [n, in] int8, dx and sx [n, in / 32]. */
+static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx, float *sx) {
+    const int64_t nb = in / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * in + b * 32;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            float m8[8], mx = 0.0f, s = 0.0f;
+            _mm256_storeu_ps(m8, amax);
+            for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+            for (int k = 0; k < 32; k++) s += xb[k]; /* in order, like block_sums */
+            const float d = mx / 127.0f, inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+            dx[r * nb + b] = d;
+            sx[r * nb + b] = s;
+            __m256i i32[4];
+            for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+            _mm256_storeu_si256((__m256i *)(qx + r * in + b * 32), _mm256_permutevar8x32_epi32(p16, order));
+        }
+}
+
+/* The end of a block for one row: t += (d * dx) * sum + m * sx, 16 outputs. */
+static inline __attribute__((always_inline)) void a8_block_end(const uint8_t *blk, float dxv, float sxv,
+                                                               __m256i s0, __m256i s1, float *t) {
+    const float *dm = (const float *)blk;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 sc = _mm256_set1_ps(dxv), sxb = _mm256_set1_ps(sxv);
+    __m256 t0 = _mm256_load_ps(t), t1 = _mm256_load_ps(t + 8);
+    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), _mm256_mul_ps(_mm256_load_ps(dm), sc), t0);
+    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), _mm256_mul_ps(_mm256_load_ps(dm + 8), sc), t1);
+    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_load_ps(dm + 16), sxb, t0));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_load_ps(dm + 24), sxb, t1));
+}
+
+static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#endif
+
+#if DD_HAS(1)
+/* DD_Q4_1_A8: a Q4_1 weight multiplied with its activations rounded to 8 bits, as llama.cpp
+ * does (its Q8_1 activation blocks). Per row and block of 32 inputs, x ~ dx * qx with
+ * dx = max|x| / 127 and qx = round(x / dx) in [-127, 127]; then for each output
+ * sum x*w ~ d * dx * sum(q * qx) + m * sx, the integer sum exact (vpmaddubsw: 32 products of a
+ * 4-bit level and an 8-bit activation per instruction, pairs summed to 16 bits, eight of them
+ * summed to at most 8 * 2 * 15 * 127 = 30480 < 2^15, then to 32 bits), sx the block's fp32 sum
+ * of x. The rounding of x makes this a different (coarser) model than DD_Q4_1's, but one whose
+ * rows are exact integers until the per-block scaling, which runs in the same order for every
+ * row: a row's result is still the same bit for bit alone or inside a tree.
+ *
+ * Layout per (group, block), 384 bytes: 16 d, 16 m (fp32), then for each quad i of 4 inputs
+ * (k = 4i .. 4i + 3) 32 bytes, byte 4o + j = q(output o, 4i + j) | q(output o + 8, 4i + j) << 4:
+ * one load and three ops rebuild 8 outputs x 4 inputs of levels twice (outputs 0-7, 8-15). */
+
+/* Rows [0, R) against group g: 2R integer sums in registers per block, the scaled totals in
+ * memory (16 vector registers hold the sums, the levels and a broadcast row, no more). */
+#define APASS(R)                                                                                    \
+    static void apass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,        \
+                          const float *sx, float *y, int64_t ldy, int accumulate) {                 \
+        const int64_t nb = W->in / 32, in = W->in;                                                  \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                                 \
+        float tot[R * 16] __attribute__((aligned(32)));                                             \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * 384;                                        \
+            __m256i s0[R], s1[R];                                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
+                const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * i));        \
+                const __m256i lo = _mm256_and_si256(L, low);                                        \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
+                    s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, xb));                  \
+                    s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, xb));                  \
+                    /* keep each sum a running sum: unrolled, gcc would otherwise keep all 16R   \
+                     * products live and add them as a tree, spilling most of them */           \
+                    __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                         \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                a8_block_end(blk, dx[r * nb + b], sx[r * nb + b], s0[r], s1[r], tot + r * 16);      \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
+            store_group(W, g, _mm256_load_ps(tot + r * 16), _mm256_load_ps(tot + r * 16 + 8), y + r * ldy, accumulate); \
+    }
+APASS(1) APASS(2) APASS(3) APASS(4)
+
+DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
+    /* each thread its own copy: no sharing, and no barrier */
+    int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
+    quantise_rows_a8(x, n, in, qx, dx, sx);
+    const int64_t tiles = (n + 3) / 4;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0, r = 0; t < tiles; t++) { /* balanced tiles of at most 4 rows */
+            const int64_t rows = n / tiles + (t < n % tiles);
+            const int8_t *q = qx + r * in;
+            const float *d = dx + r * nb, *s = sx + r * nb;
+            float *yr = y + r * ldy;
+            switch (rows) {
+            case 1: apass_1(W, g, q, d, s, yr, ldy, acc); break;
+            case 2: apass_2(W, g, q, d, s, yr, ldy, acc); break;
+            case 3: apass_3(W, g, q, d, s, yr, ldy, acc); break;
+            default: apass_4(W, g, q, d, s, yr, ldy, acc); break;
+            }
+            r += rows;
+        }
+    free(qx);
+    free(dx);
+}
+#endif
+
+
+#if DD_HAS(2)
+/* DD_Q8_0_A8: a Q8_0 weight with 8-bit activations (the rounding of DD_Q4_1_A8). vpmaddubsw
+ * needs one unsigned operand: it multiplies |q| by the activation carrying q's sign, and the
+ * pair sums (at most 2 * 127 * 127 < 2^15) go to 32 bits at once. Layout per (group, block),
+ * 576 bytes: 16 d (fp32), then per quad i of 4 inputs 32 bytes for outputs 0-7 (byte 4o + j =
+ * q(o, 4i + j)) and 32 for outputs 8-15. */
+#define QAPASS(R)                                                                                   \
+    static void qapass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,       \
+                           float *y, int64_t ldy, int accumulate) {                                 \
+        const int64_t nb = W->in / 32, in = W->in;                                                  \
+        const __m256i ones = _mm256_set1_epi16(1);                                                  \
+        __m256 t0[R], t1[R];                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * 576;                                        \
+            __m256i s0[R], s1[R];                                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * i));        \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 96 + 64 * i));        \
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
+                    s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones)); \
+                    s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones)); \
+                    __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */           \
+                }                                                                                   \
+            }                                                                                       \
+            const float *dw = (const float *)blk;                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const __m256 sc = _mm256_set1_ps(dx[r * nb + b]);                                   \
+                t0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(_mm256_load_ps(dw), sc), t0[r]); \
+                t1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(_mm256_load_ps(dw + 8), sc), t1[r]); \
+            }                                                                                       \
+        }                                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
+            store_group(W, g, t0[r], t1[r], y + r * ldy, accumulate);                               \
+    }
+QAPASS(1) QAPASS(2) QAPASS(3)
+
+DD_SHARED void a8gemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
+    int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
+    quantise_rows_a8(x, n, in, qx, dx, sx);
+    const int64_t tiles = (n + 2) / 3;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0, r = 0; t < tiles; t++) { /* balanced tiles of at most 3 rows */
+            const int64_t rows = n / tiles + (t < n % tiles);
+            switch (rows) {
+            case 1: qapass_1(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
+            case 2: qapass_2(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
+            default: qapass_3(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
+            }
+            r += rows;
+        }
+    free(qx);
+    free(dx);
+}
+#endif
+
 #define PASSES(KIND_ID, KIND)                                                                       \
     PASS(KIND_ID, KIND, 1) PASS(KIND_ID, KIND, 2) PASS(KIND_ID, KIND, 3) PASS(KIND_ID, KIND, 4)     \
     PASS(KIND_ID, KIND, 5) PASS(KIND_ID, KIND, 6) PASS1X2(KIND_ID, KIND) BUFFERED(KIND_ID, KIND)    \
@@ -501,6 +693,8 @@ DGEMM(bf16)
  * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     if (W->kind == DD_Q4_1) qgemm_shared_q4_1(W, x, n, y, ldy, acc);
+    else if (W->kind == DD_Q4_1_A8) a8gemm_shared_q4_1(W, x, n, y, ldy, acc);
+    else if (W->kind == DD_Q8_0_A8) a8gemm_shared_q8_0(W, x, n, y, ldy, acc);
     else if (W->kind == DD_Q8_0) qgemm_shared_q8_0(W, x, n, y, ldy, acc);
     else if (W->kind == DD_F16) dense_gemm_shared_f16(W, x, n, y, ldy, acc);
     else if (W->kind == DD_BF16) dense_gemm_shared_bf16(W, x, n, y, ldy, acc);
@@ -508,7 +702,7 @@ static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y,
 }
 
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
-    if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0) && W->in % 32) return 1;
+    if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
 #pragma omp parallel num_threads(nthreads)
     gemm_shared(W, x, n, y, W->out, 0);
     return 0;
@@ -568,17 +762,37 @@ static inline __m256 dots8(const float *q, const float *keys, int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+/* One key's q . k, summed exactly as dots8 sums each of its 8 keys (lanes, then
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))): a key's score does not depend on whether it falls
+ * in a block of 8 or in the tail, i.e. on how many keys the row has. */
 static inline float dot_one(const float *a, const float *b, int64_t n) {
     __m256 s = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-    float r = hsum8(s);
+    float l[8];
+    _mm256_storeu_ps(l, s);
+    float r = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
     for (; i < n; i++) r += a[i] * b[i];
     return r;
 }
 
-/* srow[0..T) <- e^(srow - max) (masked -inf entries give 0); returns 1 / their sum. */
-static float softmax_row(float *srow, int64_t T) {
+/* srow[0..T) <- e^(srow - max) (masked entries, mrow[t] == 0, give 0); returns 1 / their sum.
+ * With a mask the visible entries are first moved together, in order, and moved back after:
+ * the sum then runs over the same vector lanes as for a row that sees only those keys, so a
+ * tree's row gets bit for bit what the same token gets decoded alone after its ancestors (the
+ * values pass adds p = 0 for the hidden keys, which changes no sum). */
+static float softmax_dense(float *srow, int64_t T);
+static float softmax_row(float *srow, int64_t T, const uint8_t *mrow) {
+    if (!mrow) return softmax_dense(srow, T);
+    int64_t v = 0;
+    for (int64_t t = 0; t < T; t++)
+        if (mrow[t]) srow[v++] = srow[t];
+    const float inv = softmax_dense(srow, v);
+    for (int64_t t = T - 1; t >= 0; t--) srow[t] = mrow[t] ? srow[--v] : 0.0f;
+    return inv;
+}
+
+static float softmax_dense(float *srow, int64_t T) {
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     __m256 mx8 = ninf;
     int64_t t = 0;
@@ -670,7 +884,7 @@ static void attention_shared(const float *qkv, int64_t wqkv, int64_t n, int64_t 
             }
     }
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) inv[r] = softmax_row(S + r * T, T);
+    for (int64_t r = 0; r < rows; r++) inv[r] = softmax_row(S + r * T, T, mask ? mask + (r / nh) * T : NULL);
     if (D % 8) { /* odd head sizes (tiny test models): one (token, head) row at a time */
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
@@ -749,7 +963,7 @@ static void attention_rows(const float *qkv, int64_t wqkv, int64_t n, int64_t nh
         const float *keys = kc + g * tmax * D, *vals = vc + g * tmax * D;
         float *srow = S + r * T, *o = out + i * nh * D + head * D;
         scores_row(qkv + i * wqkv + head * D, keys, D, 0, T, mask ? mask + i * T : NULL, scale, srow);
-        const float inv = softmax_row(srow, T);
+        const float inv = softmax_row(srow, T, mask ? mask + i * T : NULL);
         if (D % 8 == 0) {
             pv_row(srow, vals, T, D, inv, o);
         } else {
