@@ -98,7 +98,27 @@ def test_ddspec_plain_steps_verify_lookup_chains_and_the_head_catches_up(tiny_ta
     fresh = eagle(target, "ddspec")
     fresh.reset(128)
     fresh.prefill(seq, out, torch.tensor(root))
+    assert fresh.cache.length == 0 and fresh.root_hidden is None  # the cost-aware method's head takes the
+    fresh._flush_pending()  # prompt in when it first drafts (never, where drafting does not pay)
+    assert fresh.cache.length == len(seq)
     assert torch.allclose(caught_up, fresh.root_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_ddspec_never_runs_the_head_while_drafting_does_not_pay(tiny_targets, monkeypatch):
+    """Where the policy keeps to plain steps (drafting costs more than it gains on this machine)
+    the head does no work at all, not even the prompt's prefill; the output is plain decoding's."""
+    from test_spec_engine import eagle
+
+    target = tiny_targets[("llama", "native")]
+    drafter = eagle(target, "ddspec")
+    drafter.lookup = LookupDrafter(max_position=target.info.max_position)
+    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda chain=None: False)
+    ran = []
+    monkeypatch.setattr(drafter, "_run", lambda *a, **k: ran.append(1))
+    prompt, stop = PROMPTS[0], StopConfig(max_new_tokens=40, stop_on_eos=False)
+    res = Engine(target, drafter).generate(prompt, stop)
+    assert res.token_ids == Engine(target).generate(prompt, stop).token_ids
+    assert not ran and drafter.cache.length == 0
 
 
 def test_ddspec_drafted_trees_carry_the_lookup_chain(tiny_targets, monkeypatch):

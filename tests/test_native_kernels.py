@@ -234,7 +234,7 @@ def test_fused_layer_equals_the_torch_layer(tiny_dirs, family, monkeypatch):
     assert (reference.cache.values[:, :, :, :n] - fused.cache.values[:, :, :, :n]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("weights", ["exact", "q8_0"])
+@pytest.mark.parametrize("weights", ["exact", "q8_0", "q8_0a8"])
 @pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "ddspec"])
 def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, weights, monkeypatch):
     """Target and draft head both on the C path (the head's weights exact, or Q8_0 as drafting
@@ -252,7 +252,7 @@ def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, weigh
         ref = Engine(target).generate(prompt, stop).token_ids
         drafter = eagle(target, method)
         assert drafter.packed.plan.needed == {"native"} and drafter.packed.layers[0].fused is not None
-        assert drafter.packed.layers[0].qkv.native.kind == ("q8_0" if weights == "q8_0" else "f32")
+        assert drafter.packed.layers[0].qkv.native.kind == {"exact": "f32"}.get(weights, weights)
         assert Engine(target, drafter).generate(prompt, stop).token_ids == ref
 
 

@@ -184,6 +184,10 @@ class EagleDrafter:
         if self.lookup is not None:
             self.lookup.prefill(prompt, target_out, root)
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
+        if self.cost_policy is not None:  # the head takes the prompt in when it first drafts: on a machine
+            # where drafting does not pay, the policy keeps to plain steps and the head never runs
+            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), nxt))
+            return
         self._commit_entries(self._committed_features(target_out), nxt)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
