@@ -42,6 +42,7 @@ def test_help_does_not_load_torch():
         (["--model", "/no/such/model"], "/no/such/model"),
         (["--model", "missing.gguf"], "GGUF file not found"),
         (["--threads", "0"], "--threads"),
+        (["--impl", "hf", "--activations", "int8"], "--activations int8 needs the native implementation"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(args, needle):

@@ -30,8 +30,9 @@ def target_from_args(args: argparse.Namespace, model: str | None = None, impl: s
     """The target named by --model, --impl, --device and --dtype (``model`` / ``impl`` override)."""
     from ddspec.models.loading import load_target
 
+    # a caller asking for the HF implementation itself (the bench's hf arm) gets HF's own fp32 maths
+    activations = "fp32" if impl == "hf" else getattr(args, "activations", "fp32")
     impl = impl or args.impl
-    activations = getattr(args, "activations", "fp32") if impl != "hf" else "fp32"
     return load_target(args.model if model is None else model, impl=impl, device=args.device,
                        dtype=torch_dtype(args.dtype), activations=activations)
 
