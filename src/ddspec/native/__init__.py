@@ -226,8 +226,10 @@ class NativeWeight:
 
     Built from the row layout: kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8
     [out, in/32, 16] (GGUF nibbles: byte j holds elements j and j + 16 of the block), ``d``/``m``
-    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]. The row
-    layout is kept (``rows``) for stacking weights and taking subsets of outputs.
+    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]. Kinds
+    ``q4_1a8`` / ``q8_0a8`` hold the same blocks, multiplied with 8-bit activations (see
+    :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
+    taking subsets of outputs.
     """
 
     def __init__(self, kind: str, out: int, inp: int, *, w=None, qs=None, d=None, m=None, bias=None) -> None:

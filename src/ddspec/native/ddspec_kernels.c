@@ -14,8 +14,9 @@
  *
  * Every matmul output is computed by one thread, in an order that depends neither on the
  * number of rows in the call nor on the thread count: row r of a 16-row matmul equals the
- * same row computed alone, bit for bit. (Attention over a tree sums its scores in another
- * order than over a chain, so whole forwards agree to fp32 rounding, not bit for bit.)
+ * same row computed alone, bit for bit. The attention sums a row's visible keys in the same
+ * lanes whatever the keys it does not see (softmax_row), so a tree node's whole forward equals,
+ * bit for bit, its token decoded alone after its ancestors.
  *
  * Built on first use by ddspec/native/__init__.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp
  * -ffp-contract=off) and called through ctypes; nothing here allocates memory the caller sees.
@@ -38,6 +39,8 @@ enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8
  *            scales d and minimums m (fp32), then 32 x 8 bytes of levels, byte j of input k =
  *            q(output j) | q(output j + 8) << 4: one stream of memory per group
  *   DD_Q8_0: qs [G, in/32, 576] bytes: 16 scales d (fp32), then 32 x 16 int8 levels
+ *   DD_Q4_1_A8, DD_Q8_0_A8: the same blocks with the levels in another order, multiplied with
+ *            activations rounded to 8 bits (integer sums; see DD_Q4_1_A8 and DD_Q8_0_A8 below)
  * The kernel broadcasts x[r, k] and accumulates one FMA per k into each output's lane, in
  * order of k (per block for the quantised kinds, see levels_at): the sum an output gets depends neither on how many rows nor on how many
  * outputs share a pass (nor on the threads), so a row's result is the same bit for bit
