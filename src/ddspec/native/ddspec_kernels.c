@@ -491,6 +491,31 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile). */
+typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
+                        float *y, int64_t ldy, int accumulate);
+
+/* y (+)= x @ W^T for an 8-bit-activation kind inside a parallel region: every thread rounds
+ * the rows itself (no sharing, no barrier), then the groups are shared, each against balanced
+ * tiles of at most `tile` rows (7 = 4 + 3), passes[rows - 1] running a tile. */
+static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
+                    const a8_pass *passes, int64_t tile) {
+    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
+    int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
+    float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
+    quantise_rows_a8(x, n, in, qx, dx, sx);
+    const int64_t tiles = (n + tile - 1) / tile;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t t = 0, r = 0; t < tiles; t++) {
+            const int64_t rows = n / tiles + (t < n % tiles);
+            passes[rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, y + r * ldy, ldy, acc);
+            r += rows;
+        }
+    free(qx);
+    free(dx);
+}
+
 #endif
 
 #if DD_HAS(1)
@@ -544,29 +569,8 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
 APASS(1) APASS(2) APASS(3) APASS(4)
 
 DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
-    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
-    /* each thread its own copy: no sharing, and no barrier */
-    int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
-    float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
-    quantise_rows_a8(x, n, in, qx, dx, sx);
-    const int64_t tiles = (n + 3) / 4;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t t = 0, r = 0; t < tiles; t++) { /* balanced tiles of at most 4 rows */
-            const int64_t rows = n / tiles + (t < n % tiles);
-            const int8_t *q = qx + r * in;
-            const float *d = dx + r * nb, *s = sx + r * nb;
-            float *yr = y + r * ldy;
-            switch (rows) {
-            case 1: apass_1(W, g, q, d, s, yr, ldy, acc); break;
-            case 2: apass_2(W, g, q, d, s, yr, ldy, acc); break;
-            case 3: apass_3(W, g, q, d, s, yr, ldy, acc); break;
-            default: apass_4(W, g, q, d, s, yr, ldy, acc); break;
-            }
-            r += rows;
-        }
-    free(qx);
-    free(dx);
+    static const a8_pass passes[4] = {apass_1, apass_2, apass_3, apass_4};
+    a8_gemm(W, x, n, y, ldy, acc, passes, 4);
 }
 #endif
 
@@ -579,7 +583,8 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
  * q(o, 4i + j)) and 32 for outputs 8-15. */
 #define QAPASS(R)                                                                                   \
     static void qapass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,       \
-                           float *y, int64_t ldy, int accumulate) {                                 \
+                           const float *sx, float *y, int64_t ldy, int accumulate) {                \
+        (void)sx; /* no minimum in Q8_0 */                                                          \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
         const __m256i ones = _mm256_set1_epi16(1);                                                  \
         __m256 t0[R], t1[R];                                                                        \
@@ -612,24 +617,8 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
 QAPASS(1) QAPASS(2) QAPASS(3)
 
 DD_SHARED void a8gemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
-    const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
-    int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
-    float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
-    quantise_rows_a8(x, n, in, qx, dx, sx);
-    const int64_t tiles = (n + 2) / 3;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t t = 0, r = 0; t < tiles; t++) { /* balanced tiles of at most 3 rows */
-            const int64_t rows = n / tiles + (t < n % tiles);
-            switch (rows) {
-            case 1: qapass_1(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
-            case 2: qapass_2(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
-            default: qapass_3(W, g, qx + r * in, dx + r * nb, y + r * ldy, ldy, acc); break;
-            }
-            r += rows;
-        }
-    free(qx);
-    free(dx);
+    static const a8_pass passes[3] = {qapass_1, qapass_2, qapass_3};
+    a8_gemm(W, x, n, y, ldy, acc, passes, 3);
 }
 #endif
 
