@@ -491,6 +491,13 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+#ifndef A8_AHEAD
+#define A8_AHEAD 2 /* blocks prefetched ahead (past a group's end: the next group's; a prefetch never faults). Measured
+                     * (AMD EPYC, int8 model, forward after 256 tokens, medians of 25, 5 runs without and 3 with,
+                     * alternating): 2 rows 7.5-8.1 -> 6.7-7.0 ms, 4 rows 9.8-10.9 -> 8.4-8.6, 8 rows 14.9-16.9 ->
+                     * 13.5-13.7, 1 row 6.0-6.6 -> 6.1-6.3; 4 or 8 blocks ahead slowed 1 row (6.3-6.6) */
+#endif
+
 /* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile). */
 typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
                         float *y, int64_t ldy, int accumulate);
@@ -544,6 +551,7 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
             const uint8_t *blk = W->qs + (g * nb + b) * 384;                                        \
+            for (int l = 0; l < 384; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 384 + l, _MM_HINT_T0); \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
@@ -591,6 +599,7 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
         for (int64_t b = 0; b < nb; b++) {                                                          \
             const uint8_t *blk = W->qs + (g * nb + b) * 576;                                        \
+            for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 576 + l, _MM_HINT_T0); \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
