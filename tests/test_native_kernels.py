@@ -15,14 +15,14 @@ from ddspec import native
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 
-def quantised(kind: str, rows: int, cols: int, seed: int = 0):
-    """A random weight quantised by gguf-py: (NativeWeight, its exact fp32 dequantisation [rows, cols])."""
+def gguf_blocks(kind: str, w: np.ndarray):
+    """w [rows, cols] fp32 quantised by gguf-py: (NativeWeight of its blocks, gguf-py's fp32 dequantisation)."""
     import gguf
 
     from ddspec.models.gguf_blocks import _split, dequantize
 
     qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
-    w = np.random.default_rng(seed).normal(0, 0.2, (rows, cols)).astype(np.float32)
+    rows, cols = w.shape
     raw = gguf.quantize(w, qtype)  # [rows, bytes]
     reference = gguf.dequantize(raw, qtype).reshape(rows, cols)
     qs, d, m = _split(kind, raw, rows)
@@ -31,6 +31,11 @@ def quantised(kind: str, rows: int, cols: int, seed: int = 0):
                                  d=torch.from_numpy(d.astype(np.float32)),
                                  m=None if m is None else torch.from_numpy(m.astype(np.float32)))
     return weight, torch.from_numpy(reference)
+
+
+def quantised(kind: str, rows: int, cols: int, seed: int = 0):
+    """A random weight quantised by gguf-py: (NativeWeight, its exact fp32 dequantisation [rows, cols])."""
+    return gguf_blocks(kind, np.random.default_rng(seed).normal(0, 0.2, (rows, cols)).astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -350,28 +355,15 @@ def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
         torch.set_num_threads(2)
 
 
-def _quantise_dense(w: dict, monkeypatch) -> None:
+def _quantise_dense(monkeypatch) -> None:
     """Make the native target read Q4_1 blocks (Q8_0 for the embeddings) quantised from the tiny
     model's own weights, as if they came from a GGUF."""
-    import gguf
-
     from ddspec.models import loading
-    from ddspec.models.gguf_blocks import _split
     from ddspec.models.llama import NativeLlama
 
     def blocks(self, path, weights):
-        out = {}
-        for name, t in weights.items():
-            if t.dim() != 2 or t.shape[1] % 32:
-                continue
-            kind = "q8_0" if "embed" in name else "q4_1"
-            qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
-            raw = gguf.quantize(t.float().numpy(), qtype)
-            qs, d, m = _split(kind, raw, t.shape[0])
-            out[name] = native.NativeWeight(kind, t.shape[0], t.shape[1], qs=torch.from_numpy(np.ascontiguousarray(qs)),
-                                            d=torch.from_numpy(d.astype(np.float32)),
-                                            m=None if m is None else torch.from_numpy(m.astype(np.float32)))
-        return out
+        return {name: gguf_blocks("q8_0" if "embed" in name else "q4_1", t.float().contiguous().numpy())[0]
+                for name, t in weights.items() if t.dim() == 2 and t.shape[1] % 32 == 0}
 
     monkeypatch.setattr(NativeLlama, "_gguf_blocks", blocks)
     monkeypatch.setattr(loading, "_gguf_source", lambda spec: "blocks.gguf")
@@ -387,7 +379,7 @@ def test_int8_activations_keep_every_method_lossless(tiny_dirs, method, monkeypa
     from ddspec.models.loading import load_target
     from test_spec_engine import PROMPTS, eagle
 
-    _quantise_dense({}, monkeypatch)
+    _quantise_dense(monkeypatch)
     target = load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")
     assert target.layer_plan.needed == {"native"} and target.head_plan.needed == {"native"}
     assert {target.layers[0].qkv.native.kind, target.layers[0].down.native.kind} == {"q4_1a8"}
@@ -414,7 +406,7 @@ def test_int8_activations_are_refused_where_they_cannot_run(tiny_dirs, monkeypat
         load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")  # dense weights: nothing to round for
     with pytest.raises(ModelLoadError, match="native implementation"):
         load_target(str(tiny_dirs["llama"]), impl="hf", activations="int8")
-    _quantise_dense({}, monkeypatch)
+    _quantise_dense(monkeypatch)
     monkeypatch.setenv("DDSPEC_KERNEL", "onednn")
     with pytest.raises(ConfigError, match="DDSPEC_KERNEL=onednn"):
         load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")
@@ -428,7 +420,7 @@ def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs
     into a different rounding of x, exactly lossless)."""
     from ddspec.models.loading import load_target
 
-    _quantise_dense({}, monkeypatch)
+    _quantise_dense(monkeypatch)
     target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
     gen = torch.Generator().manual_seed(11)
     prefix = torch.randint(0, 128, (13,), generator=gen)

@@ -445,8 +445,8 @@ QGEMM(DD_Q8_0, q8_0)
 
 
 #if DD_HAS(1) || DD_HAS(2)
-/* Rows [0, n) of x [n, in] -> qx [n, in] int8, dx and sx [n, in / 32]. */
-static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx, float *sx) {
+/* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]. */
+static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
     const int64_t nb = in / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -458,13 +458,11 @@ static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, 
                 v[j] = _mm256_loadu_ps(xb + 8 * j);
                 amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
             }
-            float m8[8], mx = 0.0f, s = 0.0f;
+            float m8[8], mx = 0.0f;
             _mm256_storeu_ps(m8, amax);
             for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-            for (int k = 0; k < 32; k++) s += xb[k]; /* in order, like block_sums */
             const float d = mx / 127.0f, inv = mx > 0.0f ? 127.0f / mx : 0.0f;
             dx[r * nb + b] = d;
-            sx[r * nb + b] = s;
             __m256i i32[4];
             for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
             const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
@@ -503,14 +501,16 @@ typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const f
                         float *y, int64_t ldy, int accumulate);
 
 /* y (+)= x @ W^T for an 8-bit-activation kind inside a parallel region: every thread rounds
- * the rows itself (no sharing, no barrier), then the groups are shared, each against balanced
- * tiles of at most `tile` rows (7 = 4 + 3), passes[rows - 1] running a tile. */
+ * the rows itself (no sharing, no barrier), and for Q4_1 takes their block sums (the minimums'
+ * term), then the groups are shared, each against balanced tiles of at most `tile` rows
+ * (7 = 4 + 3), passes[rows - 1] running a tile. */
 static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
                     const a8_pass *passes, int64_t tile) {
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
     int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
     float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
-    quantise_rows_a8(x, n, in, qx, dx, sx);
+    quantise_rows_a8(x, n, in, qx, dx);
+    if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
     const int64_t tiles = (n + tile - 1) / tile;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++)
