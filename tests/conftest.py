@@ -45,6 +45,6 @@ def default_hf():
 @pytest.fixture(autouse=True)
 def _exact_draft_weights(monkeypatch):
     """Tests compare drafting with the head's own maths: exact head weights unless a test asks for
-    the Q8_0 drafting weights (DDSPEC_DRAFT_WEIGHTS=q8_0, the native default) itself."""
+    quantised drafting weights (DDSPEC_DRAFT_WEIGHTS; q4_1a8 is the native default) itself."""
     if "DDSPEC_DRAFT_WEIGHTS" not in os.environ:
         monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "exact")

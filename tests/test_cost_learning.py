@@ -385,3 +385,17 @@ def test_the_choice_follows_whether_this_step_has_a_lookup_chain():
     late = {c: v[-60:] for c, v in choices.items()}
     assert sum(late[True]) <= 60 / policy.explore_close + 2  # chain steps stay plain, but for exploration
     assert sum(late[False]) >= 60 - (60 / policy.explore_close + 2)  # the others draft
+
+
+def test_the_cost_key_tells_the_draft_weights_apart(tiny_targets, monkeypatch):
+    """A head drafting on other kernels has other draft costs: its own cache entry. Q8_0's keys
+    (made before the field existed) stay as they were."""
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    keys = {}
+    for weights in ("q8_0", "q4_1a8", "exact"):
+        monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", weights)
+        keys[weights] = cost_key(target, head, SMALL.top_k)
+    assert "draft_weights" not in keys["q8_0"]
+    assert keys["q4_1a8"]["draft_weights"] == "q4_1a8" and keys["exact"]["draft_weights"] == "exact"
+    assert len({json.dumps(k, sort_keys=True) for k in keys.values()}) == 3

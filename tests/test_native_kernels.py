@@ -46,6 +46,27 @@ def test_blocks_rebuild_the_dequantised_weights_exactly(kind):
     assert (weight(x) - x @ dense.t()).abs().max() <= 1e-5
 
 
+def test_q4_1_copies_of_a_weight_are_gguf_q4_1_blocks():
+    """NativeWeight.q4_1 (a draft head's default drafting weights): its blocks, written out as
+    GGUF Q4_1 bytes, dequantise in gguf-py to what the kernel reads back, and they approximate
+    the weight as closely as gguf-py's own Q4_1 quantiser (within a level step everywhere)."""
+    import gguf
+
+    w = np.random.default_rng(3).normal(0, 0.2, (48, 96)).astype(np.float32)
+    weight = native.NativeWeight.q4_1(torch.from_numpy(w))
+    _, qs, d, m = weight.rows
+    rows, nb = d.shape
+    raw = np.concatenate([d.half().numpy().view(np.uint8).reshape(rows, nb, 2),
+                          m.half().numpy().view(np.uint8).reshape(rows, nb, 2), qs.numpy()], axis=-1)
+    qtype = gguf.GGMLQuantizationType.Q4_1
+    reference = gguf.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, -1)
+    assert torch.allclose(weight(torch.eye(96)).t(), torch.from_numpy(reference), rtol=0, atol=1e-6)
+    err = np.abs(reference - w)
+    assert (err <= np.repeat(d.numpy(), 32, axis=1) + 1e-3).all()
+    theirs = np.abs(gguf.dequantize(gguf.quantize(w, qtype), qtype).reshape(rows, -1) - w)
+    assert np.sqrt((err ** 2).mean()) <= 1.02 * np.sqrt((theirs ** 2).mean())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_weights_are_kept_in_half_and_read_back_exactly(dtype):
     """A dense weight whose values fp16 (or bf16) holds exactly is stored in that format (half the
@@ -239,10 +260,10 @@ def test_fused_layer_equals_the_torch_layer(tiny_dirs, family, monkeypatch):
     assert (reference.cache.values[:, :, :, :n] - fused.cache.values[:, :, :, :n]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("weights", ["exact", "q8_0", "q8_0a8"])
+@pytest.mark.parametrize("weights", ["exact", "q8_0", "q8_0a8", "q4_1a8"])
 @pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "ddspec"])
 def test_every_method_is_lossless_on_the_native_kernels(tiny_dirs, method, weights, monkeypatch):
-    """Target and draft head both on the C path (the head's weights exact, or Q8_0 as drafting
+    """Target and draft head both on the C path (the head's weights exact, or quantised as drafting
     uses them by default): greedy output equals plain decoding."""
     from ddspec.config import StopConfig
     from ddspec.engine import Engine

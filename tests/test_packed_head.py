@@ -12,11 +12,12 @@ from ddspec.draft.head import EagleHead
 from ddspec.draft.packed import PackedHead
 
 
-@pytest.mark.parametrize("kernel", ["mm", "linear", "onednn", "native", "native-q8_0"])
+@pytest.mark.parametrize("kernel", ["mm", "linear", "onednn", "native", "native-q8_0", "native-q4_1a8"])
 @pytest.mark.parametrize("layers", [1, 2])
 def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch):
-    """Exact weights: the module's maths to 1e-4. Q8_0 weights (the native default): an
-    approximation of it, within a few percent of the output's scale."""
+    """Exact weights: the module's maths to 1e-4. Q8_0 weights: an approximation of it, within a
+    few percent of the output's scale; Q4_1 weights with 8-bit activations (the native default):
+    a coarser one, within a tenth."""
     from ddspec import native
 
     if kernel.startswith("native") and not native.available():
@@ -26,13 +27,15 @@ def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch
     head = EagleHead({**target.hf_config, "num_hidden_layers": layers}).eval().requires_grad_(False)
     for p in head.parameters():  # make the later layers matter too (a fresh head's are random anyway)
         p.add_(0.01 * torch.randn_like(p))
-    packed = PackedHead(head, "q8_0" if kernel.endswith("q8_0") else "exact")
+    weights = kernel.split("-")[1] if "-" in kernel else "exact"
+    packed = PackedHead(head, weights)
     if kernel.startswith("native"):
-        assert packed.layers[0].qkv.native.kind == ("q8_0" if kernel.endswith("q8_0") else "f32")
+        assert packed.layers[0].qkv.native.kind == {"exact": "f32"}.get(weights, weights)
     gen = torch.Generator().manual_seed(0)
+    tol = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.1}[weights]
     for want, got in module_and_packed(head, packed, target.info.hidden_size, gen):
-        if kernel.endswith("q8_0"):
-            assert 0 < (got - want).abs().max() <= 0.03 * want.abs().max()
+        if tol:
+            assert 0 < (got - want).abs().max() <= tol * want.abs().max()
         else:
             assert (got - want).abs().max() <= 1e-4
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddspec.draft.packed import draft_weights
 from ddspec.machine import cache_root, cpu_name, load_average
 from ddspec.tree.cost import CostModel
 
@@ -51,6 +52,9 @@ def cost_key(target, head, top_k: int) -> dict:
     }
     if getattr(target, "activations", "fp32") != "fp32":  # another model, other costs (fp32 keys unchanged)
         key["activations"] = target.activations
+    weights = draft_weights()
+    if weights != "q8_0":  # the head's matmuls on other kernels, other draft costs (keys made before this
+        key["draft_weights"] = weights  # field existed were all q8_0's, and stay valid)
     return key
 
 

@@ -90,7 +90,7 @@ class EagleDrafter:
         self._features = getattr(self.packed, "committed_features", None) or head.committed_features
         blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
-                                   int8=getattr(self.packed, "weights", "") == "q8_0a8")  # [Vd, H]
+                                   getattr(self.packed, "weights", "exact"))  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")

@@ -28,25 +28,30 @@ from ddspec.models.llama import LlamaLayer, layer_forward, measure_layers_plan, 
 def draft_weights() -> str:
     """How the native kernel holds a head's matmul weights: ``DDSPEC_DRAFT_WEIGHTS`` = ``exact``
     (their values; fp16 when they are fp16 values), ``q8_0`` (GGUF Q8_0 blocks: a quarter of
-    fp32's bytes) or ``q8_0a8`` (those blocks with activations rounded to 8 bits, also for the
-    draft lm_head: the integer kernels). The drafts change a little, the output does not: the
-    target verifies them."""
+    fp32's bytes), ``q4_1`` (GGUF Q4_1 blocks: an eighth), or ``q8_0a8`` / ``q4_1a8`` (those
+    blocks with activations rounded to 8 bits, also for the draft lm_head: the integer kernels).
+    The drafts change a little, the output does not: the target verifies them."""
     value = os.environ.get("DDSPEC_DRAFT_WEIGHTS", DEFAULT_DRAFT_WEIGHTS).strip().lower()
     if value not in DRAFT_WEIGHTS:
         raise ConfigError(f"DDSPEC_DRAFT_WEIGHTS={value!r}: choose one of {', '.join(DRAFT_WEIGHTS)}")
     return value
 
 
-DRAFT_WEIGHTS = ("exact", "q8_0", "q8_0a8")
+DRAFT_WEIGHTS = ("exact", "q8_0", "q8_0a8", "q4_1", "q4_1a8")
 
 
 def _blocks(mats: dict, weights: str) -> dict:
-    """Q8_0 copies of the head's matrices (8-bit activations too for ``q8_0a8``)."""
-    blocks = {k: native_lib.NativeWeight.q8_0(m) for k, m in mats.items()}
-    return {k: b.with_int8_activations() for k, b in blocks.items()} if weights == "q8_0a8" else blocks
+    """Q8_0 or Q4_1 copies of the head's matrices (8-bit activations too for ``...a8``)."""
+    quantise = native_lib.NativeWeight.q4_1 if weights.startswith("q4_1") else native_lib.NativeWeight.q8_0
+    blocks = {k: quantise(m) for k, m in mats.items()}
+    return {k: b.with_int8_activations() for k, b in blocks.items()} if weights.endswith("a8") else blocks
 
 
-DEFAULT_DRAFT_WEIGHTS = "q8_0"  # measured: the same tau, cheaper levels (AMD EPYC, 2026-12-01)
+# Measured (AMD EPYC, 2 threads, 2026-12-02; the shipped head, 24 training prompts, 128 tokens): a draft
+# level at top_k 1 / 4 / 10 / 16 costs 0.52 / 1.10 / 2.29 / 3.44 ms with q4_1a8 against 0.90 / 1.59 / 2.98 /
+# 4.53 with q8_0 (0.65 / 1.23 / 2.68 / 4.25 with q8_0a8), for an EAGLE-2 tau of 4.081 against 4.100
+# (exact weights: 4.094); chain@d2 ran 6-7% faster with the int8 target, 2% with fp32, at the same tau.
+DEFAULT_DRAFT_WEIGHTS = "q4_1a8"
 
 
 class PackedHead:
@@ -117,14 +122,17 @@ class DraftLMHead:
     """The target's lm_head restricted to the draft vocabulary, on the kernel-planned path.
 
     blocks: the same rows as GGUF blocks (``NativeLlama.lm_head_blocks``), used by the
-    ``native`` kernel only if they rebuild ``lm_head_oi`` exactly (checked here); int8: then with
-    8-bit activations (``DDSPEC_DRAFT_WEIGHTS=q8_0a8``)."""
+    ``native`` kernel only if they rebuild ``lm_head_oi`` exactly (checked here). weights: the
+    head's ``DDSPEC_DRAFT_WEIGHTS``; with ``...a8`` the blocks multiply 8-bit activations. The
+    rows stay as the target holds them (Q8_0 for the default model) whatever the head's weights:
+    Q4_1 copies of them cost 2% of the shipped head's EAGLE-2 tau (4.081 -> 3.999 on 24 training
+    prompts, AMD EPYC, 2026-12-02)."""
 
-    def __init__(self, lm_head_oi: torch.Tensor, blocks=None, int8: bool = False) -> None:  # [Vd, H]
+    def __init__(self, lm_head_oi: torch.Tensor, blocks=None, weights: str = "exact") -> None:  # [Vd, H]
         w = lm_head_oi.contiguous()
         if blocks is not None and not torch.equal(blocks(torch.eye(w.shape[1], dtype=w.dtype)), w.t()):
             blocks = None  # another head's own lm_head: its fp32 values it is
-        if blocks is not None and int8:
+        if blocks is not None and weights.endswith("a8"):
             blocks = blocks.with_int8_activations()
         variant = "" if blocks is None else blocks.kind
         self.plan = choose_plan("draft lm_head", [list(w.shape)], w.device, w.dtype,
