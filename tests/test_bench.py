@@ -342,3 +342,25 @@ def test_max_turns_keeps_the_first_turns(tmp_path):
     assert [p.turns for p in load_prompts([path])] == [("a", "b"), ("x",)]
     with pytest.raises(DdspecError, match="--max-turns"):
         load_prompts([path], max_turns=0)
+
+
+def test_the_compute_floor_counts_the_int8_peak_loop_and_bounds_the_curve():
+    """The peak loop does the arithmetic it claims (its checksum: 8 running sums of pair sums
+    2 * (1, 2, 3, 4, 1, 2, 3, 4) per round, per thread), and the floor is N tokens' weight
+    multiply-adds at that rate, set against the measured T(1)."""
+    from types import SimpleNamespace
+
+    from ddspec import native
+    from ddspec.bench.target import compute_floor_lines, macs_per_token
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    assert native.library().dd_int8_peak(100, 2) == 2 * 100 * 40
+    assert native.int8_peak(1, seconds=0.02) > 1e9
+    w = lambda o, i: SimpleNamespace(out_features=o, in_features=i)  # noqa: E731
+    target = SimpleNamespace(layers=[SimpleNamespace(weights=[w(10, 20), w(30, 40)])] * 2, lm_head_w=w(50, 60))
+    assert macs_per_token(target) == 2 * (200 + 1200) + 3000
+    text = " ".join(compute_floor_lines(target, {1: 0.01, 8: 0.05, 16: 0.09}, peak=5800e3))  # 1 ms per token
+    assert "T(8) >= 8.0 ms" in text and "T(16) >= 16.0 ms" in text
+    assert "T(8)/T(1) >= 800.00" in text and "T(16)/T(1) >= 1600.00" in text
+    assert compute_floor_lines(target, {}, peak=5800e3) == [] and compute_floor_lines(target, {1: 1.0}, None) == []

@@ -10,7 +10,9 @@ Prints, in one run, on this machine:
 3. the time of one target forward over N = 1..64 new tokens after a 256-token prefix, for the
    native (fp32 and int8 activations) and the HF implementation (median of several repetitions), with the matmul kernels the
    native target chose on this machine (models/kernels.py);
-4. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
+4. the compute floor: the CPU's measured 8-bit multiply-add peak, and what it allows a forward
+   over 8 and 16 tokens whatever the kernel (the lower bound of T(8)/T(1) and T(16)/T(1));
+5. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
    over the draft vocabulary, top-k) for top_k = 1..16.
 
 Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]``.
@@ -65,6 +67,35 @@ def bytes_read_per_token(target) -> int:
         return weight.out_features * weight.in_features * 4
     layers = sum(size(w, target.layer_plan.kernel(1)) for layer in target.layers for w in layer.weights)
     return layers + size(target.lm_head_w, target.head_plan.kernel(1))
+
+
+def macs_per_token(target) -> int:
+    """Weight multiply-adds of one token's forward: every layer matmul and the lm_head (attention
+    adds a little more, growing with the context)."""
+    ws = [w for layer in target.layers for w in layer.weights] + [target.lm_head_w]
+    return sum(w.out_features * w.in_features for w in ws)
+
+
+def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> list[str]:
+    """What the CPU's 8-bit multiply-add peak allows a forward over N tokens, against the
+    int8 curve measured here (``fwd``: N -> ms)."""
+    if peak is None or not fwd:
+        return []
+    macs = macs_per_token(target)
+    per_token = macs / peak * 1e3  # ms of int8 arithmetic per token, at the peak
+    floor = {n: n * per_token for n in (8, 16)}
+    marginal = (fwd[16] - fwd[8]) / 8
+    return [
+        "",
+        f"Compute floor: a token's forward multiplies {macs / 1e6:.0f} M weights (layers and lm_head; attention "
+        f"comes on top). This CPU's measured 8-bit multiply-add peak is {peak / 1e9:.0f} GMAC/s in these threads "
+        f"(`vpmaddubsw` on registers, the int8 kernels' inner step; no weight loaded, no scale applied), so N "
+        f"tokens need at least N x {per_token:.2f} ms of arithmetic whatever the kernel: T(8) >= {floor[8]:.1f} ms "
+        f"and T(16) >= {floor[16]:.1f} ms. Against the int8 T(1) measured here ({fwd[1]:.1f} ms), T(8)/T(1) >= "
+        f"{floor[8] / fwd[1]:.2f} and T(16)/T(1) >= {floor[16] / fwd[1]:.2f} for any implementation on this CPU "
+        f"(a faster one-token forward only raises them). Each token past 8 costs {marginal:.2f} ms here, "
+        f"{per_token / marginal * 100:.0f}% of the peak's {per_token:.2f} ms.",
+    ]
 
 
 def time_ours(target, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -194,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     fwd_native = fwd["native"]
     fwd_hf = forward_times(hf, 256)
     levels = draft_level_times(native)
+    from ddspec import native as native_lib
+
+    peak = native_lib.int8_peak(args.threads)
     int8_rows = []
     if int8 is not None:
         same = common_prefix(texts["native"], texts["int8"])
@@ -242,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         f"native {ratio(fwd_native)}" + (f"; int8 activations {ratio(fwd['int8'])}" if int8 is not None else "")
         + "; "
         f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}",
+        *compute_floor_lines(native, fwd.get("int8", {}), peak),
         "",
         "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "
         "+ top-k; ms, median):",

@@ -702,6 +702,33 @@ static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y,
     else dense_gemm_shared_f32(W, x, n, y, ldy, acc);
 }
 
+/* The CPU's 8-bit multiply-add rate, for the benchmark's compute floor: `iters` rounds, in each
+ * of `nthreads` threads, of 8 independent vpmaddubsw + 16-bit adds (the inner step of the
+ * int8-activation kernels, 32 multiply-adds each) on registers, no memory. Returns a checksum
+ * (so that the loop is kept). */
+int64_t dd_int8_peak(int64_t iters, int nthreads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        __m256i a0 = _mm256_set1_epi8(1), a1 = _mm256_set1_epi8(2), a2 = _mm256_set1_epi8(3), a3 = _mm256_set1_epi8(4);
+        const __m256i b = _mm256_set1_epi8(1);
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+#define PEAK_STEP(S, A) /* a new operand for every product (nothing to share or hoist), a running sum */ \
+        __asm__("" : "+x"(A));                                                                  \
+        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(A, b));                                     \
+        __asm__("" : "+x"(S));
+        for (int64_t it = 0; it < iters; it++) {
+            PEAK_STEP(s0, a0) PEAK_STEP(s1, a1) PEAK_STEP(s2, a2) PEAK_STEP(s3, a3)
+            PEAK_STEP(s4, a0) PEAK_STEP(s5, a1) PEAK_STEP(s6, a2) PEAK_STEP(s7, a3)
+        }
+#undef PEAK_STEP
+        __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)),
+                                     _mm256_add_epi16(_mm256_add_epi16(s4, s5), _mm256_add_epi16(s6, s7)));
+        total += _mm256_extract_epi16(t, 0);
+    }
+    return total;
+}
+
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
 #pragma omp parallel num_threads(nthreads)
