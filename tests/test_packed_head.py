@@ -17,13 +17,15 @@ from ddspec.draft.packed import PackedHead
 def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch):
     """Exact weights: the module's maths to 1e-4. Q8_0 weights: an approximation of it, within a
     few percent of the output's scale; Q4_1 weights with 8-bit activations (the native default):
-    a coarser one, within a tenth."""
+    a coarser one, 16 levels per block (worst 0.11 of the scale over 25 seeded random heads, 0.7%
+    for Q8_0), within a fifth; a wrong layout or scale errs by the whole scale."""
     from ddspec import native
 
     if kernel.startswith("native") and not native.available():
         pytest.skip(native.unavailable_reason())
     monkeypatch.setenv("DDSPEC_KERNEL", kernel.split("-")[0])
     target = tiny_targets[("llama", "native")]
+    torch.manual_seed(layers)  # the same heads whatever ran before
     head = EagleHead({**target.hf_config, "num_hidden_layers": layers}).eval().requires_grad_(False)
     for p in head.parameters():  # make the later layers matter too (a fresh head's are random anyway)
         p.add_(0.01 * torch.randn_like(p))
@@ -32,7 +34,7 @@ def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch
     if kernel.startswith("native"):
         assert packed.layers[0].qkv.native.kind == {"exact": "f32"}.get(weights, weights)
     gen = torch.Generator().manual_seed(0)
-    tol = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.1}[weights]
+    tol = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.2}[weights]
     for want, got in module_and_packed(head, packed, target.info.hidden_size, gen):
         if tol:
             assert 0 < (got - want).abs().max() <= tol * want.abs().max()
@@ -68,7 +70,7 @@ def test_drafter_logprobs_use_the_draft_vocabulary(tiny_targets):
 def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch):
     """The EAGLE-3 drafting fast path against Eagle3Head.forward: exact weights to 1e-4, Q8_0 copies
     within a few percent of the output's scale, Q4_1 copies with 8-bit activations (the default)
-    within a tenth; fc of the captured states likewise."""
+    within a fifth (see the test above); fc of the captured states likewise."""
     from ddspec import native
     from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.draft.packed import PackedEagle3Head
@@ -86,7 +88,7 @@ def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch)
     weights = kernel.split("-")[1] if "-" in kernel else "exact"
     packed = PackedEagle3Head(head, weights)
     assert (packed._array is not None) == kernel.startswith("native")  # the midlayer as one C call
-    scale = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.1}[weights]  # Q4_1 with 8-bit activations: a coarser copy
+    scale = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.2}[weights]  # Q4_1 with 8-bit activations: a coarser copy
     tol = (lambda want: scale * want.abs().max()) if scale else (lambda want: 1e-4)
     gen = torch.Generator().manual_seed(0)
     h = target.info.hidden_size
