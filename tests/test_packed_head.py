@@ -12,6 +12,16 @@ from ddspec.draft.head import EagleHead
 from ddspec.draft.packed import PackedHead
 
 
+# drafting weights -> how far the packed head may be from the module, relative to the output's
+# scale (None: the module's maths to 1e-4); see test_packed_head_equals_the_module
+TOLERANCE = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.2}
+
+
+def weights_of(kernel: str) -> str:
+    """The drafting weights a ``kernel[-weights]`` parameter asks for."""
+    return kernel.split("-")[1] if "-" in kernel else "exact"
+
+
 @pytest.mark.parametrize("kernel", ["mm", "linear", "onednn", "native", "native-q8_0", "native-q4_1a8"])
 @pytest.mark.parametrize("layers", [1, 2])
 def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch):
@@ -29,12 +39,12 @@ def test_packed_head_equals_the_module(tiny_targets, kernel, layers, monkeypatch
     head = EagleHead({**target.hf_config, "num_hidden_layers": layers}).eval().requires_grad_(False)
     for p in head.parameters():  # make the later layers matter too (a fresh head's are random anyway)
         p.add_(0.01 * torch.randn_like(p))
-    weights = kernel.split("-")[1] if "-" in kernel else "exact"
+    weights = weights_of(kernel)
     packed = PackedHead(head, weights)
     if kernel.startswith("native"):
         assert packed.layers[0].qkv.native.kind == {"exact": "f32"}.get(weights, weights)
     gen = torch.Generator().manual_seed(0)
-    tol = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.2}[weights]
+    tol = TOLERANCE[weights]
     for want, got in module_and_packed(head, packed, target.info.hidden_size, gen):
         if tol:
             assert 0 < (got - want).abs().max() <= tol * want.abs().max()
@@ -85,10 +95,10 @@ def test_packed_eagle3_head_equals_the_module(tiny_targets, kernel, monkeypatch)
     for name, p in head.named_parameters():
         if "norm" in name:
             p.add_(0.1 * torch.randn_like(p))  # norms that matter
-    weights = kernel.split("-")[1] if "-" in kernel else "exact"
+    weights = weights_of(kernel)
     packed = PackedEagle3Head(head, weights)
     assert (packed._array is not None) == kernel.startswith("native")  # the midlayer as one C call
-    scale = {"exact": None, "q8_0": 0.03, "q4_1a8": 0.2}[weights]  # Q4_1 with 8-bit activations: a coarser copy
+    scale = TOLERANCE[weights]
     tol = (lambda want: scale * want.abs().max()) if scale else (lambda want: 1e-4)
     gen = torch.Generator().manual_seed(0)
     h = target.info.hidden_size

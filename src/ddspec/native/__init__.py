@@ -408,6 +408,9 @@ def layer_array(layers: list[_Layer]):
 ATTENTION_MODES = {"auto": 0, "rows": 1, "shared": 2}
 
 
+PEAK_MACS_PER_ROUND = 8 * 32  # dd_int8_peak's round: 8 vpmaddubsw of 32 byte products each
+
+
 def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
     """Measured 8-bit multiply-adds per second of this CPU in ``threads`` threads (vpmaddubsw on
     registers: the arithmetic of the int8-activation kernels at its fastest), best of 5 runs of
@@ -427,7 +430,7 @@ def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
     for _ in range(5):
         t0 = time.perf_counter()
         lib.dd_int8_peak(iters, threads)
-        best = max(best, iters * threads * 8 * 32 / (time.perf_counter() - t0))
+        best = max(best, iters * threads * PEAK_MACS_PER_ROUND / (time.perf_counter() - t0))
     return best
 
 
