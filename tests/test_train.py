@@ -448,3 +448,23 @@ def test_length_groups_keep_each_group_within_the_padded_budget():
     assert [lengths[i] for g in groups for i in g] == sorted(lengths)  # shortest first
     assert groups[-1] == [5]  # longer than the budget: alone
     assert length_groups([], 10) == []
+
+
+def test_sampled_rows_follow_the_tempered_distribution():
+    """sample_rows draws each row from softmax(logits / T): frequencies within 4 sigma of the
+    probabilities (a wrong temperature, an off-by-one in the inverse CDF or rows mixed up move
+    them by far more), zero-probability tokens never drawn, and a seed repeats the draw."""
+    from ddspec.train.generate import sample_rows
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, float("-inf")], [3.0, float("-inf"), 0.0, 0.5, 1.0]])
+    n, temperature = 40_000, 0.7
+    g = torch.Generator().manual_seed(1)
+    draws = torch.stack([sample_rows(logits, temperature, g) for _ in range(n)])  # [n, 2]
+    for row in range(2):
+        p = torch.softmax(logits[row] / temperature, dim=-1)
+        freq = torch.bincount(draws[:, row], minlength=5).double() / n
+        sigma = (p * (1 - p) / n).sqrt()
+        assert bool(((freq - p).abs() <= 4 * sigma + 1e-12).all()), (row, freq, p)
+    assert int((draws[:, 0] == 4).sum()) == 0 and int((draws[:, 1] == 1).sum()) == 0
+    again = sample_rows(logits, temperature, torch.Generator().manual_seed(5))
+    assert torch.equal(again, sample_rows(logits, temperature, torch.Generator().manual_seed(5)))

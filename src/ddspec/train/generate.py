@@ -142,8 +142,7 @@ class ContinuousBatcher:
         """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
         if self.temperature <= 0:
             return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).view(-1)
+        return sample_rows(logits, self.temperature, self.generator)
 
     def _shift(self) -> None:
         live = self.start[self.live]
@@ -233,6 +232,17 @@ class ContinuousBatcher:
                 feats[i].append(h_rows[r])
                 if st_rows is not None:
                     states[i].append(st_rows[r])
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` [R, V] from softmax(logits / temperature), by inverting
+    the cumulative distribution at a seeded uniform draw. ``torch.multinomial`` takes ~37 ms for
+    32 rows of a 49k vocabulary on these CPUs (a quarter of a 32-row decoding step); this takes ~1 ms.
+    The fp32 running sum errs by ~1e-5 in a token's probability, far below what training data notices."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    total = probs.cumsum_(dim=-1)
+    u = torch.rand(total.shape[0], 1, generator=generator, device=total.device) * total[:, -1:]
+    return torch.searchsorted(total, u, right=True).clamp_(max=total.shape[-1] - 1).view(-1)
 
 
 def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
