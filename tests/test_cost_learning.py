@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from ddspec.calibrate import CostStore, Measurement, cost_key, load_or_measure, relative_spread
+from ddspec.calibrate import CostStore, Measurement, drafter_cost_key, load_or_measure, relative_spread
 from ddspec.config import StopConfig, TreeConfig
 from ddspec.draft.checkpoint import random_head
 from ddspec.draft.eagle import EagleDrafter
@@ -229,7 +229,7 @@ def test_engine_learns_from_an_injected_clock_and_rewrites_a_bad_cache_entry(tin
     target = tiny_targets[("llama", "native")]
     head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
     probe = EagleDrafter(head, target, SMALL)
-    store = CostStore(cost_key(target, head, SMALL.top_k))
+    store = CostStore(drafter_cost_key(target, probe))
     assert store.write(Measurement(planted_wrong(TRUE), spread=0.5))
     drafter = make_drafter("ddspec", target, head, SMALL)
     assert drafter.cost_policy.cost.verify(torch.tensor([1])).item() == pytest.approx(31.0)  # the planted entry
@@ -260,7 +260,7 @@ def test_costs_learned_while_other_programs_load_the_cpu_are_not_saved(tiny_targ
     monkeypatch.setattr(OtherLoad, "share", lambda self: 0.9)
     target = tiny_targets[("llama", "native")]
     head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
-    store = CostStore(cost_key(target, head, SMALL.top_k))
+    store = CostStore(drafter_cost_key(target, EagleDrafter(head, target, SMALL)))
     assert store.write(Measurement(planted_wrong(TRUE), spread=0.0))
     before = store.path.read_text()
     drafter = make_drafter("ddspec", target, head, SMALL)
@@ -289,7 +289,7 @@ def test_corrupt_cost_entry_is_measured_again_with_a_notice(tiny_targets, tmp_pa
     target = tiny_targets[("llama", "native")]
     head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
     drafter = EagleDrafter(head, target, SMALL)
-    store = CostStore(cost_key(target, head, SMALL.top_k))
+    store = CostStore(drafter_cost_key(target, drafter))
     store.path.parent.mkdir(parents=True)
     store.path.write_text('{"key": {"format": 3}, "verify_ms": {"1": 4')  # cut off mid-write
     m, _ = load_or_measure(target, drafter, progress=False)
@@ -388,14 +388,17 @@ def test_the_choice_follows_whether_this_step_has_a_lookup_chain():
 
 
 def test_the_cost_key_tells_the_draft_weights_apart(tiny_targets, monkeypatch):
-    """A head drafting on other kernels has other draft costs: its own cache entry. Q8_0's keys
-    (made before the field existed) stay as they were."""
+    """A head drafting on other kernels has other draft costs: its own cache entry, named by the
+    weights the drafter was built with (not by the setting read later). Q8_0's keys (made
+    before the field existed) stay as they were."""
     target = tiny_targets[("llama", "native")]
     head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
-    keys = {}
+    drafters = {}
     for weights in ("q8_0", "q4_1a8", "exact"):
         monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", weights)
-        keys[weights] = cost_key(target, head, SMALL.top_k)
+        drafters[weights] = EagleDrafter(head, target, SMALL)
+    monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "q8_0a8")  # changed after the drafters were built
+    keys = {w: drafter_cost_key(target, d) for w, d in drafters.items()}
     assert "draft_weights" not in keys["q8_0"]
     assert keys["q4_1a8"]["draft_weights"] == "q4_1a8" and keys["exact"]["draft_weights"] == "exact"
     assert len({json.dumps(k, sort_keys=True) for k in keys.values()}) == 3

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ddspec.draft.packed import draft_weights
 from ddspec.machine import cache_root, cpu_name, load_average
 from ddspec.tree.cost import CostModel
 
@@ -42,7 +41,10 @@ RETRY_BUDGET_S = 15.0  # no new attempt starts after this long (a first run must
 # two attempts on this machine; the method corrects the costs from the steps it times anyway)
 
 
-def cost_key(target, head, top_k: int) -> dict:
+def cost_key(target, head, top_k: int, draft_weights: str) -> dict:
+    """What a cost measurement depends on. ``draft_weights``: how the drafter holds the head's
+    matmul weights (``EagleDrafter.draft_weights``, one of packed.DRAFT_WEIGHTS), which changes
+    what a draft level costs."""
     head_sum = sum(float(p.detach().double().abs().sum()) for p in head.parameters())
     draft_vocab = head.d2t.numel() if hasattr(head, "d2t") else target.info.vocab_size
     key = {
@@ -52,10 +54,14 @@ def cost_key(target, head, top_k: int) -> dict:
     }
     if getattr(target, "activations", "fp32") != "fp32":  # another model, other costs (fp32 keys unchanged)
         key["activations"] = target.activations
-    weights = draft_weights()
-    if weights != "q8_0":  # the head's matmuls on other kernels, other draft costs (keys made before this
-        key["draft_weights"] = weights  # field existed were all q8_0's, and stay valid)
+    if draft_weights != "q8_0":  # the head's matmuls on other kernels, other draft costs (keys made before
+        key["draft_weights"] = draft_weights  # this field existed were all q8_0's, and stay valid)
     return key
+
+
+def drafter_cost_key(target, drafter) -> dict:
+    """:func:`cost_key` of the set-up ``drafter`` (an EagleDrafter) drafts in."""
+    return cost_key(target, drafter.head, drafter.cfg.top_k, drafter.draft_weights)
 
 
 def cache_path(key: dict) -> Path:
@@ -269,7 +275,7 @@ class CostStore:
 
 def load_or_measure(target, drafter, *, refresh: bool = False, progress: bool = True) -> tuple[Measurement, CostStore]:
     """The cached measurement for this set-up, measuring (and caching) it when missing or stale."""
-    store = CostStore(cost_key(target, drafter.head, drafter.cfg.top_k))
+    store = CostStore(drafter_cost_key(target, drafter))
     m = None if refresh else store.read()
     if m is None:
         m = measure(target, drafter, progress=progress)

@@ -125,7 +125,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ddspec.calibrate import CostStore, cost_key, describe, load_or_measure
+    from ddspec.calibrate import CostStore, describe, drafter_cost_key, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.methods import resolve_head, tree_config
 
@@ -139,7 +139,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     target = target_from_args(args)
     drafter = EagleDrafter(resolve_head(args.head, target), target, tree_config("eagle2", tree))
     if args.show:
-        store = CostStore(cost_key(target, drafter.head, drafter.cfg.top_k))
+        store = CostStore(drafter_cost_key(target, drafter))
         m = store.read()
         if m is None:
             print(f"no cost entry for {target.info.name} with this head, device, dtype, threads and top_k "

@@ -89,8 +89,10 @@ class EagleDrafter:
         self.packed = head.drafting_forward()
         self._features = getattr(self.packed, "committed_features", None) or head.committed_features
         blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
+        # how the head's matmul weights are held (packed.DRAFT_WEIGHTS): part of what a draft level costs
+        self.draft_weights: str = getattr(self.packed, "weights", "exact")
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
-                                   getattr(self.packed, "weights", "exact"))  # [Vd, H]
+                                   self.draft_weights)  # [Vd, H]
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
