@@ -114,3 +114,49 @@ def test_parse_layers():
     for bad in ("0", "30", "a,b", ","):
         with pytest.raises(DdspecError):
             parse_layers(bad, 30)
+
+
+def test_data_stage_keeps_the_fused_layers_as_the_layers_stage_computes_them(tmp_path, capsys):
+    """`train data --fuse-layers` writes layers-*.pt beside each shard, equal (to fp16 rounding)
+    to what the layers stage computes from scratch; the layers stage then has nothing to redo,
+    fills only shards written without them, and other layers or an EAGLE-3 run are refused."""
+    from ddspec.models.loading import load_target
+    from ddspec.train.layers import layer_states
+
+    out = tmp_path / "run"
+    base = ["--tiny", "--out", str(out), "--threads", "1"]
+    assert main(["train", "data", *base, "--fuse-layers", "1"]) == 0
+    data = out / "data"
+    shards = sorted(json.loads((data / "manifest.json").read_text())["shards"])
+    kept = json.loads((data / "layers.json").read_text())
+    assert len(shards) > 1 and kept["layers"] == [1] and sorted(kept["shards"]) == shards
+    target = load_target(str(out / "tiny_model"), impl="native")
+    for key in shards:
+        shard = torch.load(data / f"shard-{key}.pt", weights_only=True)
+        stored = torch.load(data / f"layers-{key}.pt", weights_only=True)
+        fresh = layer_states(target, [s["input_ids"] for s in shard], (1,))
+        assert len(stored) == len(shard) == len(fresh)
+        for seq, a, b in zip(shard, stored, fresh):
+            assert a.dtype == torch.float16 and a.shape == b.shape == (seq["features"].shape[0], 64)
+            assert float((a.float() - b.float()).abs().max()) < 1e-2  # normalised: entries of order 1
+    # a shard that lost its states (say, written by a run without --fuse-layers): the layers stage
+    # computes that one only
+    (data / f"layers-{shards[1]}.pt").unlink()
+    kept["shards"].pop(shards[1])
+    (data / "layers.json").write_text(json.dumps(kept))
+    before = {k: (data / f"layers-{k}.pt").stat().st_mtime_ns for k in shards if k != shards[1]}
+    assert main(["train", "layers", *base, "--fuse-layers", "1"]) == 0
+    assert sorted(json.loads((data / "layers.json").read_text())["shards"]) == shards
+    assert before == {k: (data / f"layers-{k}.pt").stat().st_mtime_ns for k in before}
+    assert (data / f"layers-{shards[1]}.pt").is_file()
+    capsys.readouterr()
+    assert main(["train", "data", *base, "--fuse-layers", "1", "--sampled-answers", "1"]) == 0  # resumes, same layers
+    more = sorted(json.loads((data / "manifest.json").read_text())["shards"])
+    assert len(more) > len(shards) and sorted(json.loads((data / "layers.json").read_text())["shards"]) == more
+    capsys.readouterr()
+    (data / "layers.json").write_text(json.dumps(kept | {"layers": [0]}))  # states of other layers on disk
+    assert main(["train", "data", *base, "--fuse-layers", "1", "--sampled-answers", "2"]) == 2
+    assert "[0]" in capsys.readouterr().err
+    assert main(["train", "data", "--tiny", "--out", str(tmp_path / "e3"), "--threads", "1", "--arch", "eagle3",
+                 "--fuse-layers", "1"]) == 2
+    assert "--fuse-layers" in capsys.readouterr().err

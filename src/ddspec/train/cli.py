@@ -101,8 +101,9 @@ def add_parser(sub) -> None:
     g.add_argument("--fuse-layers", default=None, metavar="A,B",
                    help="make a head that also reads the target's residual stream at the inputs of these layers "
                         "(HF hidden_states indices, e.g. 2,15 of 30), fused into its input feature at committed "
-                        "positions (after EAGLE-3). Needs the `layers` stage, which runs the target over the "
-                        "data once more up to the deepest of them. With --init-from a plain head, the fusion "
+                        "positions (after EAGLE-3). Given to `data`, the states are kept as the answers are generated (no "
+                        "extra cost); otherwise the `layers` stage runs the target over the data once more up to "
+                        "the deepest of them (it fills any shard that lacks them). With --init-from a plain head, the fusion "
                         "starts at zero, i.e. exactly at that head")
     g.add_argument("--head-layers", type=int, default=0, metavar="N",
                    help="decoder layers in the head (default: as the --init-from head, else 1). More layers "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ddspec.draft.features import fusion_input
 from ddspec.errors import DdspecError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.llama import NativeLlama, layer_forward
@@ -50,6 +51,7 @@ class GenerationSettings:
     batch_size: int = 32  # rows decoded together
     shard_prompts: int = 256
     capture_layers: tuple[int, ...] = ()  # also keep the residual streams entering these layers (EAGLE-3)
+    fuse_layers: tuple[int, ...] = ()  # a fused head's layers: their normalised states go to layers-*.pt
 
 
 PREFILL_TOKENS = 4096  # padded prompt tokens run together at most
@@ -79,9 +81,11 @@ class ContinuousBatcher:
     """
 
     def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
-                 temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = ()) -> None:
+                 temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = (), fuse: bool = False) -> None:
+        """``capture``: keep the residual streams entering these layers, raw (``fuse`` False) or as
+        a fused head reads them (``fuse``: each RMS-normalised, :func:`fusion_input`), in fp16."""
         a = target.arch
-        self.temperature, self.capture = temperature, tuple(capture)
+        self.temperature, self.capture, self.fuse = temperature, tuple(capture), fuse
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.target, self.rows, self.max_prompt, self.max_new = target, rows, max_prompt, max_new
         self.capacity = 2 * (max_prompt + max_new)
@@ -136,7 +140,13 @@ class ContinuousBatcher:
         self.start[r] = self.s - p + pad
         first = self._pick(t.lm_head(h[:, -1]))  # [B]
         return (first, [h[i, pad[i]:].float() for i in range(len(prompts))],
-                [None if st is None else st[i, pad[i]:].half() for i in range(len(prompts))])
+                [None if st is None else self._keep(st[i, pad[i]:]) for i in range(len(prompts))])
+
+    def _keep(self, states: torch.Tensor) -> torch.Tensor:
+        """Captured states [..., n * H] as stored: fp16, normalised per layer for a fused head."""
+        if self.fuse:
+            return fusion_input(list(states.split(self.target.arch.hidden_size, dim=-1))).half()
+        return states.half()
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
@@ -225,7 +235,7 @@ class ContinuousBatcher:
             nxt = self._pick(self.target.lm_head(h))
             # per row: views of this step's tensors, stacked once the answer is done
             toks, h_rows = nxt.tolist(), h.float().unbind(0)
-            st_rows = st.half().unbind(0) if st is not None else None
+            st_rows = self._keep(st).unbind(0) if st is not None else None
             for r in self.live.tolist():
                 i = item[r]
                 out[i].append(toks[r])
@@ -252,11 +262,13 @@ def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int, rows: int = 16,
                    max_prompt: int | None = None, temperature: float = 0.0, seed: int = 0,
-                   capture: tuple[int, ...] = ()) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
+                   capture: tuple[int, ...] = (), fuse: bool = False
+                   ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
     """Answers to all ``prompts`` (greedy, or sampled at ``temperature`` > 0): (response ids,
-    features of prompt + response[:-1], the ``capture`` layers' input states there or None)."""
+    features of prompt + response[:-1], the ``capture`` layers' input states there or None;
+    normalised as a fused head reads them with ``fuse``)."""
     batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new,
-                                temperature=temperature, seed=seed, capture=capture)
+                                temperature=temperature, seed=seed, capture=capture, fuse=fuse)
     results: dict[int, tuple[list[int], torch.Tensor, torch.Tensor | None]] = {}
     for i, ids, f, st in batcher.run(prompts):
         results[i] = (ids, f, st)
@@ -332,6 +344,18 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
     if not isinstance(target, NativeLlama):
         raise DdspecError("training data generation needs the native implementation (--impl native)")
     writer = ShardWriter(out_dir, target_fingerprint(target), asdict(settings) | {"token_budget": token_budget})
+    if settings.capture_layers and settings.fuse_layers:
+        raise DdspecError("an EAGLE-3 head's data (--arch eagle3) and a fused head's layers (--fuse-layers) "
+                          "go to different --out folders: give one of them")
+    fuse = tuple(settings.fuse_layers)
+    if fuse:
+        from ddspec.train.layers import write_layer_shard
+
+        on_disk = out_dir / "layers.json"
+        theirs = json.loads(on_disk.read_text())["layers"] if on_disk.is_file() else list(fuse)
+        if theirs != list(fuse):
+            raise DdspecError(f"{out_dir} holds the states of layers {theirs}, not {list(fuse)}: give --fuse-layers "
+                              f"{','.join(map(str, theirs))}, or another --out folder")
     kept = list(writer.manifest["settings"].get("capture_layers", []))
     if kept != list(settings.capture_layers):
         raise DdspecError(f"{out_dir} holds data {'with the states of layers ' + str(kept) if kept else 'without layer states'}, "
@@ -353,18 +377,23 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
         results = generate_batch(target, [ids for _, ids in shard], settings.max_new_tokens,
                                  rows=settings.batch_size, max_prompt=settings.max_prompt_tokens,
                                  temperature=temperature if pass_id else 0.0, seed=1_000_003 * pass_id + index,
-                                 capture=settings.capture_layers)
+                                 capture=settings.capture_layers or fuse, fuse=bool(fuse))
+        fused = []
         for (pid, ids), (resp, feats, states) in zip(shard, results):
             seq = ids + resp
             sequences.append({"id": f"{pid}#s{pass_id}" if pass_id else pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
                               "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
-            if states is not None:
+            if fuse:
+                fused.append(states[: len(seq) - 1].clone())
+            elif states is not None:
                 sequences[-1]["states"] = states[: len(seq) - 1]
             n_resp += len(resp)
         if progress:
             progress.update(n_resp)
         writer.write(index, sequences, n_resp, time.perf_counter() - t0, first=first, prompts=len(shard),
                      pass_id=pass_id)
+        if fuse:  # after the shard: a shard without its layers file is filled by `train layers`
+            write_layer_shard(out_dir, f"{index:05d}", fused, fuse, writer.manifest["target"], 0.0)
         first, index = first + len(shard), index + 1
     return writer.manifest
 

@@ -2,8 +2,9 @@
 
 A head made with ``--fuse-layers a,b`` reads, at committed positions, the target's residual
 stream at the inputs of layers a and b besides the final feature (:mod:`ddspec.draft.head`).
-The data stage keeps only the final feature, so this stage runs the target once more over every
-stored sequence, only up to the deepest layer asked for, and writes one file per data shard:
+The data stage keeps them itself when given ``--fuse-layers`` (from the forward that made each
+token); otherwise, or for shards written without them, this stage runs the target once more over
+every stored sequence, only up to the deepest layer asked for, and writes one file per data shard:
 ``layers-<shard>.pt``, a list (in the shard's order) of fp16 tensors [T - 1, n_layers * H], each
 already RMS-normalised (:func:`ddspec.draft.head.fusion_input`). ``layers.json`` records the
 layers, the target and the shards done; a rerun skips those, and asking for other layers than
@@ -76,16 +77,31 @@ def run_layer_pass(target, data_dir: Path, layers: tuple[int, ...], fingerprint:
         t0 = time.perf_counter()
         shard = torch.load(data_dir / f"shard-{key}.pt", weights_only=True)
         states = layer_states(target, [s["input_ids"] for s in shard], layers)
-        tmp = data_dir / f"layers-{key}.pt.tmp"
-        torch.save(states, tmp)
-        os.replace(tmp, data_dir / f"layers-{key}.pt")
-        state["shards"][key] = {"sequences": len(shard)}
-        state["wall_s"] += time.perf_counter() - t0
-        ptmp = path.with_suffix(".tmp")
-        ptmp.write_text(json.dumps(state, indent=1))
-        os.replace(ptmp, path)
+        state = write_layer_shard(data_dir, key, states, layers, fingerprint, time.perf_counter() - t0)
         if progress:
             progress.update(len(shard))
+    return state
+
+
+def write_layer_shard(data_dir: Path, key: str, states: list[torch.Tensor], layers: tuple[int, ...],
+                      fingerprint: str, wall_s: float) -> dict:
+    """``layers-<key>.pt`` (the shard's sequences' normalised states, in order) and its entry in
+    ``layers.json``, each written to a temp name and renamed. Also used by the data stage when it
+    keeps the states of ``--fuse-layers`` itself (they come from the forward that made each token)."""
+    path = data_dir / "layers.json"
+    state = json.loads(path.read_text()) if path.is_file() else {"target": fingerprint, "layers": list(layers),
+                                                                 "shards": {}, "wall_s": 0.0}
+    if state["layers"] != list(layers):
+        raise DdspecError(f"{data_dir} already holds the states of layers {state['layers']}, not {list(layers)}: "
+                          f"delete {path} and the layers-*.pt files to compute others")
+    tmp = data_dir / f"layers-{key}.pt.tmp"
+    torch.save(states, tmp)
+    os.replace(tmp, data_dir / f"layers-{key}.pt")
+    state["shards"][key] = {"sequences": len(states)}
+    state["wall_s"] += wall_s
+    ptmp = path.with_suffix(".tmp")
+    ptmp.write_text(json.dumps(state, indent=1))
+    os.replace(ptmp, path)
     return state
 
 

@@ -74,19 +74,24 @@ def stage_data(args, out: Path, target) -> None:
 
     log = StageLog(out, "data")
     capture = _capture_layers(args, target)
+    fuse = _fuse_layers(args, target)
     if args.tiny:
         records = [PromptRecord(str(i), "tiny", t) for i, t in enumerate(TINY_PROMPTS)]
         budget = 600 * (1 + max(0, getattr(args, "sampled_answers", 0) or 0))
-        settings = GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8, capture_layers=capture)
+        settings = GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8, capture_layers=capture,
+                                      fuse_layers=fuse)
     else:
         records, report = read_prompts(Path(args.prompts))
         log.info(f"prompts: {args.prompts}: {report.describe()}")
         records = balanced_mix(records)
         budget = args.response_tokens
         settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                      capture_layers=capture)
+                                      capture_layers=capture, fuse_layers=fuse)
     if capture:
         log.info(f"keeping the residual streams entering target layers {list(capture)} (EAGLE-3's inputs)")
+    if fuse:
+        log.info(f"keeping the fused head's states of layers {list(fuse)} (layers-*.pt: no `layers` stage needed "
+                 "for these shards)")
     log.info(f"{len(records)} prompts after rebalancing; responses up to {settings.max_new_tokens} tokens; "
              f"budget {budget} response tokens")
     passes = _sampled_passes(args, records)
@@ -102,6 +107,19 @@ def stage_data(args, out: Path, target) -> None:
     log.info(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens, "
              f"{len(manifest['shards'])} shards, generation wall {manifest['wall_s']:.0f} s")
     log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
+
+
+def _fuse_layers(args, target) -> tuple[int, ...]:
+    """--fuse-layers for the data stage: the layers whose states it keeps for a fused EAGLE-1/2 head."""
+    from ddspec.train.layers import parse_layers
+
+    spec = getattr(args, "fuse_layers", None)
+    if not spec:
+        return ()
+    if getattr(args, "arch", "eagle") == "eagle3":
+        raise DdspecError("--fuse-layers is for EAGLE-1/2 heads; an EAGLE-3 head (--arch eagle3) reads its own "
+                          "captured layers: drop --fuse-layers")
+    return parse_layers(spec, target.hf_config["num_hidden_layers"])
 
 
 def _capture_layers(args, target) -> tuple[int, ...]:
