@@ -380,6 +380,11 @@ def test_sampled_passes_add_new_target_written_answers(tmp_path, capsys):
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     passes = [e.get("pass", 0) for e in manifest["shards"].values()]
     assert 0 in passes and 1 in passes and manifest["response_tokens"] >= 1200
+    # every shard is reported in the stage's log (and, with no progress bar on a terminal, its output)
+    err, logged = capsys.readouterr().err, (out / "data.log").read_text()
+    for key, e in manifest["shards"].items():
+        line = f"shard {key} ({'sampled pass 1' if e.get('pass') else 'greedy'}, prompts {e['first']}-"
+        assert line in logged and line in err, line
     seqs = load_shards(out / "data")
     greedy = {s["id"]: s for s in seqs if "#" not in s["id"]}
     sampled = [s for s in seqs if s["id"].endswith("#s1")]

@@ -332,8 +332,11 @@ def encode_prompts(target, records: list[PromptRecord], max_tokens: int) -> list
 
 
 def run_generation(target, records: list[PromptRecord], out_dir: Path, settings: GenerationSettings,
-                   token_budget: int, progress=None, pass_id: int = 0, temperature: float = 0.0) -> dict:
+                   token_budget: int, progress=None, pass_id: int = 0, temperature: float = 0.0,
+                   log=None) -> dict:
     """Generate shards until the prompts or the response-token budget run out; resumable.
+    ``log(line)``, when given, hears about every shard written (for runs whose progress bar
+    nobody sees: a background job's log file).
 
     ``pass_id`` 0 is the greedy pass over ``records``; pass k >= 1 answers ``records`` again,
     sampled at ``temperature`` with a seed per shard (a rerun writes the same shard). The budget
@@ -394,6 +397,12 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
                      pass_id=pass_id)
         if fuse:  # after the shard: a shard without its layers file is filled by `train layers`
             write_layer_shard(out_dir, f"{index:05d}", fused, fuse, writer.manifest["target"], 0.0)
+        if log:
+            wall = time.perf_counter() - t0
+            done = writer.manifest["response_tokens"]
+            log(f"shard {index:05d} ({f'sampled pass {pass_id}' if pass_id else 'greedy'}, prompts {first}-"
+                f"{first + len(shard) - 1} of {len(prompts)}): {n_resp} response tokens in {wall:.0f} s "
+                f"({n_resp / max(wall, 1e-9):.0f}/s); {done} of the {token_budget} budget ({100 * done / token_budget:.0f}%)")
         first, index = first + len(shard), index + 1
     return writer.manifest
 

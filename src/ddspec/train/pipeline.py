@@ -99,11 +99,15 @@ def stage_data(args, out: Path, target) -> None:
     if not greedy and not passes:
         raise DdspecError("--no-greedy-pass leaves nothing to generate: add --sampled-answers N")
     with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
-        manifest = run_generation(target, records, out / "data", settings, budget, progress=bar) if greedy else None
+        def quiet(line: str) -> None:  # always in data.log; on the terminal too when no bar shows progress there
+            log.info(line, echo=bool(bar.disable))
+
+        manifest = (run_generation(target, records, out / "data", settings, budget, progress=bar, log=quiet)
+                    if greedy else None)
         for k, mix in passes:
             log.info(f"sampled pass {k}: {len(mix)} prompts at temperature {args.temperature}")
             manifest = run_generation(target, mix, out / "data", settings, budget, progress=bar, pass_id=k,
-                                      temperature=args.temperature)
+                                      temperature=args.temperature, log=quiet)
     log.info(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens, "
              f"{len(manifest['shards'])} shards, generation wall {manifest['wall_s']:.0f} s")
     log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
