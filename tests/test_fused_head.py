@@ -160,3 +160,30 @@ def test_data_stage_keeps_the_fused_layers_as_the_layers_stage_computes_them(tmp
     assert main(["train", "data", "--tiny", "--out", str(tmp_path / "e3"), "--threads", "1", "--arch", "eagle3",
                  "--fuse-layers", "1"]) == 2
     assert "--fuse-layers" in capsys.readouterr().err
+
+
+def test_an_unfinished_fused_deeper_run_evaluates_and_exports_its_checkpoint(tmp_path, capsys):
+    """Before `fit` writes RUN/head, eval and export read train_state.pt: the head is rebuilt with
+    the depth and fused layers it was trained with (a one-layer plain head cannot take its
+    weights). A folder with no training at all gets the command to run, not a traceback."""
+    out = tmp_path / "run"
+    base = ["--tiny", "--out", str(out), "--threads", "1"]
+    assert main(["train", "data", *base, "--fuse-layers", "1"]) == 0
+    assert main(["train", "fit", *base, "--fuse-layers", "1", "--head-layers", "2", "--epochs", "0.2"]) == 0
+    import shutil
+
+    shutil.rmtree(out / "head")  # as if the fit had been stopped before its end
+    capsys.readouterr()
+    assert main(["train", "eval", *base]) == 0
+    assert "evaluating the checkpoint" in capsys.readouterr().err
+    assert json.loads((out / "eval.json").read_text())["head"]["tiny"]["identical_to_plain"] == "4/4"
+    assert main(["train", "export", *base]) == 0
+    from ddspec.models.loading import load_target
+
+    head = load_head(out / "export", load_target(str(out / "tiny_model"), impl="native").info)
+    assert len(head.layers) == 2 and head.fuse_layers == (1,)
+    capsys.readouterr()
+    for stage in ("eval", "export"):
+        assert main(["train", stage, "--tiny", "--out", str(tmp_path / "empty"), "--threads", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "ddspec train fit" in err and "Traceback" not in err

@@ -422,14 +422,23 @@ def _against_head(spec: str, target):
 def _head_from_checkpoint(out: Path, target):
     """The head in train_state.pt (a run stopped before the end), with its progress as metadata."""
     from ddspec.draft.checkpoint import random_head
+    from ddspec.draft.head import EagleHead
 
-    state = torch.load(out / "train_state.pt", weights_only=False)
+    path = out / "train_state.pt"
+    if not path.is_file():
+        raise DdspecError(f"no trained head in {out} (neither head/ nor train_state.pt): run "
+                          f"`ddspec train fit --out {out}` first")
+    state = torch.load(path, weights_only=False)
     weights = state["head"]
     if "midlayer.mlp.down_proj.weight" in weights:  # an EAGLE-3 head
         from ddspec.draft.eagle3 import Eagle3Head
 
         head = Eagle3Head(state["head_config"], tuple(state["capture_layers"]), max_position=target.arch.max_position)
-    else:
+    elif "head_config" in state:  # its depth and fused layers, as trained
+        d2t = weights.get("d2t")
+        head = EagleHead(state["head_config"], own_embedding="embed_tokens.weight" in weights,
+                         draft_vocab=None if d2t is None else d2t.numel())
+    else:  # checkpoints written before the config was kept: one-layer heads
         head = random_head(target.hf_config)
         if "d2t" in weights:
             head.register_buffer("d2t", torch.zeros_like(weights["d2t"]))
@@ -466,11 +475,9 @@ def stage_export(args, out: Path, target) -> None:
     if (out / "head" / "config.json").is_file():
         head = load_head(out / "head", target.info)
         meta = json.loads((out / "head" / "config.json").read_text()).get("ddspec", {})
-    elif (out / "train_state.pt").is_file():
+    else:
         head, meta = _head_from_checkpoint(out, target)
         log.info(f"training has not finished: exporting the checkpoint at step {meta['training']['steps']}")
-    else:
-        raise DdspecError(f"nothing to export in {out}: run `ddspec train fit --out {out}` first")
     fmt = getattr(args, "format", None) or ("eagle3" if isinstance(head, Eagle3Head) else "eagle")
     if fmt == "eagle3" or isinstance(head, Eagle3Head):
         _export_eagle3(head, fmt, dest, target, meta)
