@@ -352,13 +352,9 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
                           "go to different --out folders: give one of them")
     fuse = tuple(settings.fuse_layers)
     if fuse:
-        from ddspec.train.layers import write_layer_shard
+        from ddspec.train.layers import layer_state, write_layer_shard
 
-        on_disk = out_dir / "layers.json"
-        theirs = json.loads(on_disk.read_text())["layers"] if on_disk.is_file() else list(fuse)
-        if theirs != list(fuse):
-            raise DdspecError(f"{out_dir} holds the states of layers {theirs}, not {list(fuse)}: give --fuse-layers "
-                              f"{','.join(map(str, theirs))}, or another --out folder")
+        layer_state(out_dir, fuse, writer.manifest["target"])  # before any work: refuses other layers on disk
     kept = list(writer.manifest["settings"].get("capture_layers", []))
     if kept != list(settings.capture_layers):
         raise DdspecError(f"{out_dir} holds data {'with the states of layers ' + str(kept) if kept else 'without layer states'}, "
