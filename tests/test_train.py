@@ -473,3 +473,54 @@ def test_sampled_rows_follow_the_tempered_distribution():
     assert int((draws[:, 0] == 4).sum()) == 0 and int((draws[:, 1] == 1).sum()) == 0
     again = sample_rows(logits, temperature, torch.Generator().manual_seed(5))
     assert torch.equal(again, sample_rows(logits, temperature, torch.Generator().manual_seed(5)))
+
+
+def test_merge_adds_another_runs_data_once_with_its_layer_states(tmp_path, capsys):
+    """`train merge --from OTHER` appends OTHER's shards (new sampled passes made in another
+    folder) with their fused-layer states; the fit then trains on both; a rerun adds nothing;
+    greedy answers RUN already has are skipped; other targets and other layers are refused."""
+    from ddspec.train.generate import load_shards
+
+    run, more = tmp_path / "run", tmp_path / "more"
+    base = ["--threads", "1", "--tiny", "--fuse-layers", "1"]
+    assert main(["train", "data", "--out", str(run), *base]) == 0
+    assert main(["train", "data", "--out", str(more), *base, "--sampled-answers", "1", "--first-sampled-pass", "2",
+                 "--temperature", "1.0"]) == 0  # its greedy shards repeat run's; its pass 2 is new
+    mine, theirs = (json.loads((d / "data" / "manifest.json").read_text()) for d in (run, more))
+    new = {k: e for k, e in theirs["shards"].items() if e.get("pass") == 2}
+    assert new and len(new) < len(theirs["shards"])
+    capsys.readouterr()
+    assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("which this run's greedy pass has answered already") == len(theirs["shards"]) - len(new)
+    merged = json.loads((run / "data" / "manifest.json").read_text())
+    assert len(merged["shards"]) == len(mine["shards"]) + len(new)
+    assert merged["sequences"] == mine["sequences"] + sum(e["sequences"] for e in new.values())
+    ids = [s["id"] for s in load_shards(run / "data")]
+    assert ids[: mine["sequences"]] == [s["id"] for s in load_shards(more / "data") if "#" not in s["id"]]
+    assert all(i.endswith("#s2") for i in ids[mine["sequences"]:])  # appended: the newest, held out first
+    layers = json.loads((run / "data" / "layers.json").read_text())
+    assert sorted(layers["shards"]) == sorted(merged["shards"])
+    key = sorted(merged["shards"])[-1]
+    src_key = merged["shards"][key]["merged_from"].rsplit(":", 1)[1]
+    assert torch.equal(torch.load(run / "data" / f"layers-{key}.pt", weights_only=True)[0],
+                       torch.load(more / "data" / f"layers-{src_key}.pt", weights_only=True)[0])
+    assert main(["train", "fit", "--out", str(run), *base, "--epochs", "0.2", "--val-sequences", "4"]) == 0
+    # a rerun adds nothing; the run's own data stage resumes past its own shards only
+    assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 0
+    assert json.loads((run / "data" / "manifest.json").read_text())["shards"] == merged["shards"]
+    capsys.readouterr()
+    # refusals: no --from, another target's data, other fused layers
+    assert main(["train", "merge", "--out", str(run), "--threads", "1", "--tiny"]) == 2
+    assert "--from" in capsys.readouterr().err
+    theirs["target"] = "another:0123"  # the name does not matter, the fingerprint of config and weights does
+    (more / "data" / "manifest.json").write_text(json.dumps(theirs))
+    assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 2
+    assert "another:0123" in capsys.readouterr().err
+    theirs["target"] = mine["target"]
+    (more / "data" / "manifest.json").write_text(json.dumps(theirs))
+    other = json.loads((more / "data" / "layers.json").read_text()) | {"layers": [0]}
+    (more / "data" / "layers.json").write_text(json.dumps(other))
+    assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "[0]" in err and "Traceback" not in err

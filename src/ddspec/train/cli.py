@@ -6,7 +6,8 @@
     ddspec train eval   --out runs/smollm2     # tau through the real engine on the eval sets
     ddspec train export --out runs/smollm2 --to FOLDER   # EAGLE-1/2 layout + model card
     ddspec train export --out RUN --format eagle3 --to FOLDER   # an EAGLE-3 head in RUN/head, EAGLE-3 layout
-    ddspec train all    --out runs/smollm2     # all of the above in order
+    ddspec train merge  --out runs/smollm2 --from runs/more   # add another run's data (after this run's)
+    ddspec train all    --out runs/smollm2     # data, layers, fit, eval, export in order
     ddspec train all --tiny --out /tmp/t       # the whole pipeline on a tiny random model
     ddspec train data --arch eagle3 --out runs/e3   # data for an EAGLE-3 head (keeps layers 2, L/2, L-3)
     ddspec train fit  --arch eagle3 --out runs/e3 --draft-vocab 8192 --ttt-passes 3
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
-STAGES = ("data", "layers", "fit", "eval", "export", "all")
+STAGES = ("data", "layers", "merge", "fit", "eval", "export", "all")
 
 
 def default_prompts() -> str:
@@ -64,6 +65,9 @@ def add_parser(sub) -> None:
     g.add_argument("--sample-sources", default=None, metavar="SRC[:CAP],...",
                    help="prompt sources the sampled passes answer, each with an optional cap "
                         "(default: every source but the capped math and code ones)")
+    p.add_argument("--from", dest="from_run", default=None, metavar="OTHER_RUN",
+                   help="merge: the run folder whose data (shards and fused-layer states) is added after this "
+                        "run's own, hard-linked where possible; a rerun adds nothing twice")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=2.0)
     g.add_argument("--lr", type=float, default=1e-3)

@@ -362,7 +362,7 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
                           "use another --out folder, or the same --arch as the run that made it")
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
     every = writer.manifest["shards"]
-    done = {k: e for k, e in every.items() if e.get("pass", 0) == pass_id}
+    done = {k: e for k, e in every.items() if e.get("pass", 0) == pass_id and "merged_from" not in e}  # ours only
     if progress and progress.n == 0:
         progress.update(writer.manifest["response_tokens"])
     # each shard records the prompt range it answered, so a resumed run may use another shard size

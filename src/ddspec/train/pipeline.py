@@ -488,12 +488,25 @@ def stage_export(args, out: Path, target) -> None:
     log.finish()
 
 
+def stage_merge(args, out: Path, target) -> None:
+    from ddspec.train.merge import merge_data
+
+    if not getattr(args, "from_run", None):
+        raise DdspecError("the merge stage needs --from OTHER_RUN: the run folder whose data joins this one's")
+    log = StageLog(out, "merge")
+    src = Path(args.from_run)
+    added = merge_data(out / "data", src / "data" if (src / "data").is_dir() else src, log=log.info)
+    log.info(f"added {added['shards']} shards, {added['sequences']} sequences, {added['response_tokens']} response "
+             f"tokens; skipped {added['skipped']}")
+    log.finish(source=str(src), **added)
+
+
 def run_stages(args: argparse.Namespace) -> int:
     out, target = _setup(args)
     stages = {"data": stage_data, "layers": stage_layers, "fit": stage_fit, "eval": stage_eval,
-              "export": stage_export}
-    todo = [s for s in stages if s != "layers" or getattr(args, "fuse_layers", None)] if args.stage == "all" \
-        else [args.stage]
+              "export": stage_export, "merge": stage_merge}
+    todo = [s for s in stages if s != "merge" and (s != "layers" or getattr(args, "fuse_layers", None))] \
+        if args.stage == "all" else [args.stage]
     for name in todo:
         stages[name](args, out, target)
     return 0
