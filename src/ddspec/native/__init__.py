@@ -270,26 +270,22 @@ class NativeWeight:
         """``w_oi`` [out, in] quantised to GGUF's Q8_0 (per block of 32 inputs: d = max|w| / 127 in
         fp16, q = round(w / d)): a quarter of fp32's bytes, an approximation of the weight (for a
         draft head, whose output only proposes tokens the target then verifies)."""
-        out, inp = w_oi.shape
-        blocks = w_oi.detach().float().reshape(out, inp // 32, 32)
+        blocks = _blocks_of(w_oi)
         d = (blocks.abs().amax(dim=-1) / 127).to(torch.float16).float()  # [out, nb]
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = (blocks * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-        return cls("q8_0", out, inp, qs=q, d=d)
+        q = (blocks * _reciprocal(d).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return cls("q8_0", *w_oi.shape, qs=q, d=d)
 
     @classmethod
     def q4_1(cls, w_oi: torch.Tensor) -> "NativeWeight":
         """``w_oi`` [out, in] quantised to GGUF's Q4_1 (per block of 32 inputs: m = min w and
         d = (max w - m) / 15, both fp16, q = round((w - m) / d) in 0..15): an eighth of fp32's
         bytes and a coarser approximation than :meth:`q8_0` (for a draft head)."""
-        out, inp = w_oi.shape
-        blocks = w_oi.detach().float().reshape(out, inp // 32, 32)
+        blocks = _blocks_of(w_oi)
         m = blocks.amin(dim=-1).to(torch.float16).float()  # [out, nb]
         d = ((blocks.amax(dim=-1) - m) / 15).to(torch.float16).float()
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = ((blocks - m.unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        q = ((blocks - m.unsqueeze(-1)) * _reciprocal(d).unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
         qs = q[..., :16] | (q[..., 16:] << 4)  # GGUF's nibbles: byte j holds elements j and j + 16
-        return cls("q4_1", out, inp, qs=qs.contiguous(), d=d, m=m)
+        return cls("q4_1", *w_oi.shape, qs=qs.contiguous(), d=d, m=m)
 
     def with_int8_activations(self) -> "NativeWeight":
         """This Q4_1 / Q8_0 weight multiplying activations rounded to 8 bits per block of 32
@@ -325,6 +321,16 @@ class NativeWeight:
         if rc:
             raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
         return y.view(*lead, self.out_features)
+
+
+def _blocks_of(w_oi: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> fp32 [out, in / 32, 32]: GGUF's blocks of 32 inputs."""
+    return w_oi.detach().float().reshape(w_oi.shape[0], w_oi.shape[1] // 32, 32)
+
+
+def _reciprocal(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where a block's scale is 0 (an all-equal block: every level 0)."""
+    return torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
 
 
 GROUP = 16
