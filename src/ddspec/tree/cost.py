@@ -329,6 +329,7 @@ class CostAwarePolicy:
         self._backoff = 1  # multiplies the wait before drafting is tried again (see draft_now)
         self._since_size_probe = 0  # drafted steps since one verified a bigger tree than the best
         self._probe_size = False
+        self._probe_extra = (0.0, 0.0)  # (tokens, ms) the current step's size probe adds to the best size's forecast
         # lookup chains merged into drafted trees (EagleDrafter): their accepted nodes per step so far
         self.graft_gain, self._graft_seen = 0.0, 0.0
 
@@ -425,6 +426,7 @@ class CostAwarePolicy:
         # a drafted step now and then verifies the next calibrated size above the best one, so
         # that costs believed too high for bigger trees get measured (and corrected) too
         self._probe_size = choice and (explore or self._since_size_probe >= self.explore_close)
+        self._probe_extra = (0.0, 0.0)
         self.drafting = choice
         if not choice:
             self.levels = 0
@@ -473,13 +475,16 @@ class CostAwarePolicy:
         levels = max(1, self.levels)
         scores = candidate_scores.tolist()
         n, _ = self.best(scores, levels)
+        gains, best = self._gains(scores), n
         if self._probe_size:
             bigger = [m for m in self.costs.sizes if m > n]
             n = min(bigger[0] if bigger else n + 1, candidate_scores.numel() + 1, self.max_tokens)
             self._since_size_probe = 0
         else:
             self._since_size_probe += 1
-        self.prediction = (self._gains(scores)[n - 1], self._step_ms(n, levels))
+        self.prediction = (gains[n - 1], self._step_ms(n, levels))
+        # a probe is a measurement, not the choice: what drafting yields is the best size's forecast
+        self._probe_extra = (gains[n - 1] - gains[best - 1], self.prediction[1] - self._step_ms(best, levels))
         return n
 
     def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -504,7 +509,7 @@ class CostAwarePolicy:
         self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         if self.drafting:
             d = self.forecast_decay
-            predicted_tokens, predicted_ms = self.prediction
+            predicted_tokens, predicted_ms = (p - x for p, x in zip(self.prediction, self._probe_extra))
             self._draft_tokens = self._draft_tokens * d + predicted_tokens
             self._draft_ms = self._draft_ms * d + predicted_ms
             self._drafted += 1
