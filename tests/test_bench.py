@@ -333,6 +333,15 @@ def test_methods_may_carry_their_own_tree_sizes():
             parse_methods(bad)
     with pytest.raises(DdspecError, match="depth .* >= 1"):  # sizes are checked like the flags
         parse_methods("eagle2@d0k2")
+    # a last t<T>: the greedy draft temperature
+    assert split_method("eagle2@t0.8") == ("eagle2", {"draft_temperature": 0.8})
+    assert split_method("ddd@d3k4n8t1") == ("ddd", {"depth": 3, "top_k": 4, "total_tokens": 8, "draft_temperature": 1.0})
+    assert tree_config("eagle2@t0.7").draft_temperature == 0.7 and tree_config("eagle2").draft_temperature is None
+    for bad in ("eagle2@t", "eagle2@t0.8d3", "eagle2@t-1"):
+        with pytest.raises(DdspecError, match="bad method"):
+            parse_methods(bad)
+    with pytest.raises(DdspecError, match="draft_temperature .*must be in"):
+        parse_methods("eagle2@t0")
 
 
 def test_max_turns_keeps_the_first_turns(tmp_path):

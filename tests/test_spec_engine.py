@@ -213,3 +213,63 @@ def test_drafts_stay_inside_the_context_window(tiny_targets, method):
     ref = plain(target, prompt, 32).token_ids
     res = Engine(target, eagle(target, method)).generate(prompt, stop)
     assert res.token_ids == ref and len(ref) == 12  # the budget ends at the window
+
+
+def _head_with_temperature(target, t):
+    head = random_head(target.hf_config, seed=3).eval().requires_grad_(False)
+    if t is not None:
+        head.config["ddspec"] = {"draft_temperature": {"greedy": t}}
+    return head
+
+
+def test_greedy_draft_temperature_scores_the_tree_and_keeps_outputs(tiny_targets):
+    """A head's fitted temperature divides its logits in greedy decoding only; --draft-temperature
+    overrides it; the output stays plain decoding's either way."""
+    target = tiny_targets[("llama", "native")]
+    head = _head_with_temperature(target, 0.5)
+    hidden = torch.randn(3, target.info.hidden_size, generator=torch.Generator().manual_seed(0))
+    raw = EagleDrafter(_head_with_temperature(target, None), target, SMALL)
+    assert raw.temperature == 1.0
+    logits = raw.lm_head(hidden).float()
+    d = EagleDrafter(head, target, SMALL)
+    assert d.temperature == 0.5
+    torch.testing.assert_close(d.logprobs(hidden), torch.log_softmax(logits / 0.5, -1))
+    d.score_for(SamplingConfig(temperature=0.8, seed=1))  # sampling: the raw head's scores
+    assert d.temperature == 1.0
+    torch.testing.assert_close(d.logprobs(hidden), torch.log_softmax(logits, -1))
+    d.score_for(SamplingConfig())
+    assert d.temperature == 0.5
+    from dataclasses import replace
+
+    forced = EagleDrafter(head, target, replace(SMALL, draft_temperature=2.0))
+    forced.score_for(SamplingConfig())
+    assert forced.temperature == 2.0
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    for method in ("eagle2", "ddd", "ddspec"):
+        for prompt in PROMPTS[:2]:
+            ref = plain(target, prompt, 30).token_ids
+            cfg = tree_config(method, SMALL)
+            drafter = eagle(target, method) if method == "ddspec" else EagleDrafter(head, target, cfg)
+            if method == "ddspec":
+                drafter.head_temperature = 0.5
+            res = Engine(target, drafter).generate(prompt, stop)
+            assert res.token_ids == ref and drafter.temperature == 0.5
+    # a sharper score grows a different tree from the same head (the temperature is not a no-op)
+    a = EagleDrafter(head, target, tree_config("eagle2", SMALL))
+    b = EagleDrafter(head, target, replace(tree_config("eagle2", SMALL), draft_temperature=1.0))
+    trees = []
+    for drafter in (a, b):
+        engine = Engine(target, drafter)
+        res = engine.generate(PROMPTS[3], StopConfig(max_new_tokens=12, stop_on_eos=False))
+        trees.append([s.tree_size for s in res.stats.steps] + [float(drafter.logprobs(hidden).max())])
+    assert trees[0] != trees[1]
+
+
+def test_bad_draft_temperatures_are_refused(tiny_targets):
+    target = tiny_targets[("llama", "native")]
+    for bad in (0, -1.0, float("nan"), 11.0, True):
+        with pytest.raises(ConfigError, match="draft_temperature"):
+            TreeConfig(draft_temperature=bad)
+    for bad in (0, "0.8", -2):
+        with pytest.raises(ConfigError, match="ddspec.draft_temperature.greedy"):
+            EagleDrafter(_head_with_temperature(target, bad), target, SMALL)

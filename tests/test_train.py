@@ -19,6 +19,7 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert manifest["response_tokens"] >= 600
     stages = json.loads((out / "stages.json").read_text())
     assert set(stages) == {"data", "fit", "eval", "export"} and all(s["wall_s"] > 0 for s in stages.values())
+    assert "[train calibrate] skipped: no held-out sequences" in capsys.readouterr().err
     evals = json.loads((out / "eval.json").read_text())
     r = evals["head"]["tiny"]
     assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
@@ -524,3 +525,47 @@ def test_merge_adds_another_runs_data_once_with_its_layer_states(tmp_path, capsy
     assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 2
     err = capsys.readouterr().err
     assert "[0]" in err and "Traceback" not in err
+
+
+def test_draft_temperature_fit_recovers_a_known_temperature():
+    """Labels drawn as the argmax of logits / 0.5 plus Gumbel noise, i.e. samples of softmax(logits / 0.5):
+    the NLL-optimal temperature of the raw logits is 0.5, and the fit finds it."""
+    from ddspec.train.trainer import TEMPERATURE_GRID, argmax_nll, best_temperature
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(20000, 50, generator=g) * 2
+    gumbel = -torch.log(-torch.log(torch.rand(20000, 50, generator=g)))
+    labels = (logits / 0.5 + gumbel).argmax(-1)
+    inv_t = torch.tensor(TEMPERATURE_GRID).reciprocal()
+    nll = argmax_nll(logits, labels, inv_t) / labels.numel()
+    assert abs(best_temperature(TEMPERATURE_GRID, nll.tolist()) - 0.5) < 0.04
+    reference = -torch.log_softmax(logits / 0.8, -1).gather(1, labels.view(-1, 1)).mean()
+    assert abs(float(nll[TEMPERATURE_GRID.index(0.8)]) - float(reference)) < 1e-4
+    assert best_temperature((0.5, 1.0, 1.5), [3.0, 2.0, 1.0]) == 1.5  # at the grid's edge: the edge
+
+
+def test_calibrate_stage_records_the_temperature_the_drafter_uses(tmp_path, capsys):
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.draft.eagle import head_draft_temperature
+
+    out = tmp_path / "run"
+    base = ["--tiny", "--out", str(out), "--threads", "1"]
+    assert main(["train", "calibrate", *base, "--val-sequences", "4"]) != 0  # nothing trained yet
+    assert "train fit" in capsys.readouterr().err
+    assert main(["train", "data", *base]) == 0
+    assert main(["train", "fit", *base, "--val-sequences", "4", "--ttt-passes", "2"]) == 0
+    assert main(["train", "calibrate", *base]) != 0  # no held-out sequences named
+    assert "--val-sequences" in capsys.readouterr().err
+    assert main(["train", "calibrate", *base, "--val-sequences", "4"]) == 0
+    fit = json.loads((out / "head" / "config.json").read_text())["ddspec"]["draft_temperature"]
+    assert 0.3 <= fit["greedy"] <= 1.6 and fit["tokens"] > 0 and fit["depths"] == 2
+    assert min(fit["nll"].values()) <= fit["nll"]["1.0"]
+    assert "greedy draft temperature" in (out / "calibrate.log").read_text()
+    from ddspec.models.loading import load_target
+
+    head = load_head(out / "head", load_target(str(out / "tiny_model"), impl="native").info)
+    assert head_draft_temperature(head) == fit["greedy"]
+    assert main(["train", "export", *base]) == 0  # the export carries it
+    exported = json.loads((out / "export" / "config.json").read_text())["ddspec"]["draft_temperature"]
+    assert exported["greedy"] == fit["greedy"]
+    assert f"greedy draft temperature: **{fit['greedy']}**" in (out / "export" / "README.md").read_text()

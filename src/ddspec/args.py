@@ -113,6 +113,10 @@ def add_tree_args(p: argparse.ArgumentParser):
                    help="levels after which DDD checks the beam, comma-separated (default 5,7,9)")
     g.add_argument("--max-depth", type=int, default=d.max_depth,
                    help=f"most levels DDD may draft (default {d.max_depth})")
+    g.add_argument("--draft-temperature", type=float, default=None, metavar="T",
+                   help="greedy decoding: score draft-tree nodes with the head's log-probabilities at temperature T "
+                        "(default: the value fitted for the head on held-out training data, recorded in its "
+                        "config; 1 = the raw head). Changes which tokens are drafted, never the output")
     return g
 
 
@@ -128,7 +132,7 @@ def stop_from_args(args: argparse.Namespace) -> StopConfig:
 def tree_from_args(args: argparse.Namespace) -> TreeConfig:
     return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens,
                       ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
-                      max_depth=args.max_depth)
+                      max_depth=args.max_depth, draft_temperature=getattr(args, "draft_temperature", None))
 
 
 def setup_torch(args: argparse.Namespace) -> None:

@@ -85,6 +85,9 @@ class TreeConfig:
     ddd_threshold: float = -0.3  # stop when logsumexp(frontier scores) < this (log-probability)
     ddd_check_depths: tuple[int, ...] = (5, 7, 9)  # levels after which DDD checks the beam
     max_depth: int = 11  # hard cap on levels for DDD
+    # greedy decoding scores tree nodes with log_softmax(draft logits / T): None = the head's fitted
+    # value (its config's ddspec.draft_temperature, 1 when absent); sampling always uses T = 1
+    draft_temperature: float | None = None
 
     def __post_init__(self) -> None:
         if self.shape not in TREE_SHAPES:
@@ -109,6 +112,10 @@ class TreeConfig:
             raise ConfigError(
                 f"ddd_threshold (--ddd-threshold) is a log-probability and must be <= 0, got {threshold}"
             )
+        if self.draft_temperature is not None:
+            t = _check_number("draft_temperature (--draft-temperature)", self.draft_temperature)
+            if not 0 < t <= 10:
+                raise ConfigError(f"draft_temperature (--draft-temperature) must be in (0, 10], got {t}")
         checks = self.ddd_check_depths
         if not checks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in checks):
             raise ConfigError(

@@ -252,6 +252,9 @@ class Engine:
         eos = set(self.target.info.eos_token_ids) if stop.stop_on_eos else set()
         text = TextAssembler(self.target.tokenizer, stop.stop_strings)
         tree_room = self.drafter.max_tree_size if self.drafter else 1
+        score_for = getattr(self.drafter, "score_for", None)  # drafters whose tree scores depend on the decoding
+        if score_for is not None:
+            score_for(self.sampling)
         hidden_layers = self.drafter.hidden_layers if self.drafter else ()
 
         # 1. Prefill: run the prompt (past what the caches keep, with reuse_prefix), choose the

@@ -13,7 +13,8 @@
 A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_tokens>``
 (any subset, in that order): ``eagle2@d3k4n8`` is a fixed-depth EAGLE-2 tree of depth 3,
 top_k 4 and 8 verified tokens, which is how ``ddspec tune`` names its best static setting and
-how ``ddspec bench`` runs it next to the others.
+how ``ddspec bench`` runs it next to the others. A last ``t<T>`` sets the greedy draft
+temperature (``--draft-temperature``): ``eagle2@t1`` is EAGLE-2 on the raw head's scores.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ HEADS_DIR = Path(__file__).parent / "heads"
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
 
 
-_SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?")
+_SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
+                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?")
 
 
-def split_method(spec: str) -> tuple[str, dict[str, int]]:
-    """``'eagle2@d3k4n8'`` -> ``('eagle2', {'depth': 3, 'top_k': 4, 'total_tokens': 8})``; ``'ddd'`` -> ``('ddd', {})``."""
+def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
+    """``'eagle2@d3k4n8'`` -> ``('eagle2', {'depth': 3, 'top_k': 4, 'total_tokens': 8})``; ``'ddd'`` -> ``('ddd', {})``;
+    ``'eagle2@t0.8'`` -> ``('eagle2', {'draft_temperature': 0.8})``."""
     method, _, sizes = spec.partition("@")
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -48,9 +51,10 @@ def split_method(spec: str) -> tuple[str, dict[str, int]]:
         return method, {}
     m = _SIZED.fullmatch(sizes)
     if method == "vanilla" or not sizes or m is None:
-        raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>, "
-                          "any of the three in that order, e.g. eagle2@d3k4n8")
-    return method, {k: int(v) for k, v in m.groupdict().items() if v is not None}
+        raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>"
+                          "t<draft temperature>, any of them in that order, e.g. eagle2@d3k4n8 or eagle2@t1")
+    return method, {k: float(v) if k == "draft_temperature" else int(v)
+                    for k, v in m.groupdict().items() if v is not None}
 
 
 def method_label(method: str, cfg: TreeConfig) -> str:

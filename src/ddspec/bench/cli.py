@@ -84,6 +84,8 @@ def run_settings(args: argparse.Namespace) -> dict:
     settings["ddd_check_depths"] = list(args.ddd_check_depths)
     if getattr(args, "activations", "fp32") != "fp32":  # absent from runs made before the option
         settings["activations"] = args.activations
+    if getattr(args, "draft_temperature", None) is not None:  # likewise
+        settings["draft_temperature"] = args.draft_temperature
     return settings
 
 

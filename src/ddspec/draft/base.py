@@ -2,6 +2,9 @@
 
 The engine owns the target; a drafter owns whatever it needs to guess ahead (an EAGLE head
 and its KV cache, an oracle, a random generator). Plain decoding uses no drafter at all.
+
+Optional: ``score_for(sampling)``, called by the engine before each generation, for a drafter
+whose tree scores depend on how tokens are chosen (the EAGLE drafter's greedy draft temperature).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ddspec.config import TreeConfig
+from ddspec.config import SamplingConfig, TreeConfig
 from ddspec.draft.head import EagleHead
 from ddspec.draft.packed import DraftLMHead
 from ddspec.errors import ConfigError
@@ -33,6 +33,17 @@ from ddspec.tree import (
     rerank,
 )
 from ddspec.verify import Verdict
+
+
+def head_draft_temperature(head) -> float:
+    """The temperature fitted for a head's greedy tree scores (``ddspec train calibrate``), from its
+    config's ``ddspec.draft_temperature.greedy``; 1 for heads without one (e.g. published heads)."""
+    entry = (getattr(head, "config", None) or {}).get("ddspec", {}).get("draft_temperature") or {}
+    t = entry.get("greedy", 1.0) if isinstance(entry, dict) else 1.0
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10:
+        raise ConfigError(f"the head's config has ddspec.draft_temperature.greedy = {t!r}: it must be a number in "
+                          "(0, 10]; delete the entry (the raw head) or fit it again with `ddspec train calibrate`")
+    return float(t)
 
 
 class DraftSlots:
@@ -93,6 +104,8 @@ class EagleDrafter:
         self.draft_weights: str = getattr(self.packed, "weights", "exact")
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
                                    self.draft_weights)  # [Vd, H]
+        self.head_temperature = head_draft_temperature(head)  # fitted for greedy decoding; 1 when absent
+        self.temperature = tree.draft_temperature or self.head_temperature  # until score_for() says otherwise
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
@@ -130,9 +143,22 @@ class EagleDrafter:
         return depth * width
 
     # -- head calls ----------------------------------------------------------------------
+    def score_for(self, sampling: SamplingConfig) -> None:
+        """Set the temperature the tree's scores use for this generation (the engine calls it).
+
+        Greedy decoding accepts a drafted token when it is the target's argmax, which happens more
+        often than the head's probability for it says: the head learnt the target's whole
+        distribution. Its logits divided by a fitted T < 1 forecast acceptance better, and the
+        tree (EAGLE-2's reranking, DDD's stopping rule, the cost-aware forecasts) is grown from
+        those forecasts. Sampling accepts a token with about the target's probability of it: T = 1."""
+        self.temperature = (self.cfg.draft_temperature or self.head_temperature) if sampling.greedy else 1.0
+
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft log-probs over the draft vocabulary: hidden [n, H] -> [n, Vd]."""
-        return torch.log_softmax(self.lm_head(self.head.logits_input(hidden)).float(), dim=-1)
+        """Draft log-probs over the draft vocabulary (the tree's scores): hidden [n, H] -> [n, Vd]."""
+        logits = self.lm_head(self.head.logits_input(hidden)).float()
+        if self.temperature != 1.0:
+            logits = logits * (1.0 / self.temperature)
+        return torch.log_softmax(logits, dim=-1)
 
     def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens if self.draft_ids is None else self.draft_ids[tokens]

@@ -125,7 +125,7 @@ class Service:
             raise ApiError(400, f"ddspec.method {method!r} is not available here: this server runs "
                                 f"{', '.join(self.config.methods)} (tree methods need a draft head)",
                            param="ddspec.method")
-        too_big = {k: v for k, v in sizes.items() if v > MAX_SIZES[k]}
+        too_big = {k: v for k, v in sizes.items() if k in MAX_SIZES and v > MAX_SIZES[k]}
         if too_big and method != self.worker.default_method:
             raise ApiError(400, f"ddspec.method {method!r}: a request's tree may have at most depth "
                                 f"{MAX_SIZES['depth']}, top_k {MAX_SIZES['top_k']} and {MAX_SIZES['total_tokens']} "

@@ -3,6 +3,7 @@
     ddspec train data   --out runs/smollm2     # the target answers training prompts (+ features)
     ddspec train layers --out runs/smollm2 --fuse-layers 2,15   # optional: intermediate target layers
     ddspec train fit    --out runs/smollm2     # train the head, checkpointing
+    ddspec train calibrate --out runs/smollm2 --val-sequences 128   # fit the greedy draft temperature
     ddspec train eval   --out runs/smollm2     # tau through the real engine on the eval sets
     ddspec train export --out runs/smollm2 --to FOLDER   # EAGLE-1/2 layout + model card
     ddspec train export --out RUN --format eagle3 --to FOLDER   # an EAGLE-3 head in RUN/head, EAGLE-3 layout
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-STAGES = ("data", "layers", "merge", "fit", "eval", "export", "all")
+STAGES = ("data", "layers", "merge", "fit", "calibrate", "eval", "export", "all")
 
 
 def default_prompts() -> str:
@@ -88,7 +89,8 @@ def add_parser(sub) -> None:
                         "plain EAGLE-1 teacher forcing)")
     g.add_argument("--val-sequences", type=int, default=0, metavar="N",
                    help="hold out the last N sequences (the newest shards), score them every --eval-every "
-                        "steps and keep the head that does best on them (default 0 = keep the last step)")
+                        "steps and keep the head that does best on them (default 0 = keep the last step); "
+                        "`calibrate` fits the draft temperature on the same N")
     g.add_argument("--prompt-loss", action="store_true",
                    help="also train on prompt positions (the target's features and distribution there are "
                         "computed anyway), not only on the response")
@@ -127,7 +129,9 @@ def add_parser(sub) -> None:
     g.add_argument("--against", default=None, metavar="HEAD",
                    help="eval: also run this head (a folder; 'shipped' = the model's shipped head) on the same "
                         "prompts, side by side: tau and draft ms of both in one run")
-    g.add_argument("--to", default=None, help="export: the head folder to write")
+    g.add_argument("--to", default=None,
+                   help="export: the head folder to write; calibrate: the head folder whose config gets the "
+                        "temperature (default OUT/head; e.g. a shipped head, fitted on this run's held-out data)")
     g.add_argument("--format", default=None, choices=("eagle", "eagle3"),
                    help="export: eagle = the EAGLE-1/2 layout; eagle3 = the published EAGLE-3 layout (config and "
                         "keys vLLM and SGLang read), for an EAGLE-3 head. Default: the head's own layout")

@@ -26,6 +26,18 @@ def _ttt_lines(meta: dict) -> list[str]:
     return lines
 
 
+def _temperature_lines(fit: dict | None) -> list[str]:
+    """The greedy draft temperature (`ddspec train calibrate`), when the head has one."""
+    if not fit:
+        return []
+    nll = fit.get("nll", {})
+    best = min(nll.values()) if nll else float("nan")
+    return [f"- greedy draft temperature: **{fit['greedy']}** (`ddspec.draft_temperature` in config.json; greedy "
+            "decoding scores tree nodes with log_softmax(logits / T), sampling with T = 1), fitted on "
+            f"{fit.get('fitted_on', '?')}: {fit.get('tokens', '?')} tokens, draft depths 1-{fit.get('depths', '?')}; NLL of "
+            f"the target's argmax {nll.get('1.0', float('nan')):.4f} at T = 1, {best:.4f} at the best grid point"]
+
+
 def _stage_time(name: str, entry: dict, manifest: dict) -> str:
     """A stage's wall time; a resumed data stage records only its last run, the manifest all shards."""
     run_min = entry.get("wall_s", 0) / 60
@@ -71,6 +83,7 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
         *([f"- warm start: from the weights of `{meta['init_from']}` (an earlier head), not from random ones"]
           if meta.get("init_from") else []),
         f"- head size on disk: {size_mb:.1f} MB",
+        *_temperature_lines(_load(dest / "config.json").get("ddspec", {}).get("draft_temperature")),
         "",
         "## Wall time per stage (this machine)",
         "",

@@ -344,6 +344,58 @@ def stage_fit(args, out: Path, target) -> None:
     log.finish(steps=trainer.step, train_wall_s=trainer.wall_s, **summary)
 
 
+def stage_calibrate(args, out: Path, target) -> None:
+    """Fit the head's greedy draft temperature on the run's held-out sequences (trainer.fit_draft_temperature)
+    and record it in the head's config (``ddspec.draft_temperature``), where the drafter reads it."""
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.draft.eagle3 import Eagle3Head
+    from ddspec.train.generate import load_shards
+    from ddspec.train.layers import attach_layer_states
+    from ddspec.train.trainer import TrainSettings, fit_draft_temperature, split_validation
+
+    folder = Path(args.to) if args.to else out / "head"
+    n_val = args.val_sequences
+    if n_val < 1:
+        if args.stage == "all":
+            print("[train calibrate] skipped: no held-out sequences (--val-sequences N) to fit the draft temperature "
+                  "on; the head keeps T = 1", file=sys.stderr)
+            return
+        raise DdspecError("calibrate fits the draft temperature on held-out sequences: give --val-sequences N, "
+                          "the same N as `fit` (the last N sequences, which the head was not trained on)")
+    if not (folder / "config.json").is_file():
+        raise DdspecError(f"no head in {folder} (no config.json): run `ddspec train fit --out {out}` first, "
+                          "or name a head folder with --to")
+    log = StageLog(out, "calibrate")
+    head = load_head(folder, target.info)
+    sequences = load_shards(out / "data")
+    if n_val >= len(sequences):
+        raise DdspecError(f"--val-sequences {n_val}: the data holds only {len(sequences)} sequences; hold out fewer")
+    if isinstance(head, Eagle3Head):
+        if "states" not in sequences[-1]:
+            raise DdspecError(f"{out / 'data'} holds no captured layer states for an EAGLE-3 head: calibrate it on "
+                              "data made with `ddspec train data --arch eagle3`")
+    elif head.fuse_layers:
+        attach_layer_states(sequences, out / "data", head.fuse_layers)
+    val = split_validation(sequences, n_val)[1]
+    del sequences  # the training part: only the held-out sequences are read
+    passes = max(2, args.ttt_passes)
+    settings = TrainSettings(batch_tokens=args.batch_tokens if not args.tiny else 512)
+    with tqdm(total=len(val), desc="calibrate", unit="seq", file=sys.stderr, disable=None) as bar:
+        fit = fit_draft_temperature(head, target.embed_tokens, target.lm_head_weight_t(), val, settings,
+                                    n_passes=passes, progress=bar)
+    fit["fitted_on"] = f"the last {n_val} sequences of {out / 'data'} (held out from `fit`)"
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.setdefault("ddspec", {})["draft_temperature"] = fit
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp.replace(folder / "config.json")
+    nll = fit["nll"]
+    log.info(f"greedy draft temperature {fit['greedy']} for {folder} ({fit['tokens']} held-out tokens, depths "
+             f"1..{passes}, top-1 accuracy {fit['accuracy']}); argmax NLL {nll['1.0']:.4f} at T = 1, "
+             f"{min(nll.values()):.4f} at the best grid point")
+    log.finish(greedy=fit["greedy"], tokens=fit["tokens"], head=str(folder))
+
+
 def _training_summary(history: list[dict]) -> dict:
     """Means of the last 50 steps' losses and accuracies (every pass of the training-time test)."""
     last = [h for h in history if "loss" in h][-50:]
@@ -503,8 +555,8 @@ def stage_merge(args, out: Path, target) -> None:
 
 def run_stages(args: argparse.Namespace) -> int:
     out, target = _setup(args)
-    stages = {"data": stage_data, "layers": stage_layers, "fit": stage_fit, "eval": stage_eval,
-              "export": stage_export, "merge": stage_merge}
+    stages = {"data": stage_data, "layers": stage_layers, "fit": stage_fit, "calibrate": stage_calibrate,
+              "eval": stage_eval, "export": stage_export, "merge": stage_merge}
     todo = [s for s in stages if s != "merge" and (s != "layers" or getattr(args, "fuse_layers", None))] \
         if args.stage == "all" else [args.stage]
     for name in todo:

@@ -122,6 +122,104 @@ def ttt_passes(head: EagleHead | Eagle3Head, embeds: torch.Tensor, features: tor
     return outs
 
 
+def unroll(head: EagleHead | Eagle3Head, embed_weight: torch.Tensor, sequences: list[dict], batch: list[int],
+           s: TrainSettings, *, noise: bool, n_passes: int, held_out: bool
+           ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head over a batch, teacher-forced then on its own outputs: (per pass [B, T, H], the target's
+    features at the counted rows [M, H], the counted rows' mask [B, T], each counted row's step index [M]).
+    ``held_out``: score response tokens only (validation)."""
+    eagle3 = isinstance(head, Eagle3Head)
+    tokens_next, feats_in, feats_target, mask, layers_in = collate(
+        sequences, batch, s.max_seq_len, s.prompt_loss and not held_out, extra="states" if eagle3 else "layers")
+    t = feats_in.shape[1]
+    if eagle3:  # committed positions read fc(captured states); no noise: the later passes are its own
+        if layers_in is None:
+            raise ValueError("an EAGLE-3 head trains on sequences with captured layer states (\"states\")")
+        feats_in = head.fc(layers_in)
+    else:
+        if noise:
+            feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
+        feats_in = head.fused_features(feats_in, layers_in)  # committed positions: + fused layers
+    preds = ttt_passes(head, F.embedding(tokens_next, embed_weight), feats_in, n_passes)  # k x [B, T, H]
+    index = torch.arange(t).expand_as(mask)[mask]  # [M] the step index of each counted row
+    return preds, feats_target[mask], mask, index
+
+
+# the greedy draft temperatures tried by fit_draft_temperature (then refined between neighbours)
+TEMPERATURE_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(27))  # 0.30 .. 1.60
+
+
+def argmax_nll(logits: torch.Tensor, labels: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of ``labels`` [N] under log_softmax(logits [N, V] * 1/T), for each 1/T in ``inv_t`` [G] -> [G]."""
+    chosen = logits.gather(1, labels.view(-1, 1))[:, 0].double()
+    return torch.stack([(torch.logsumexp(logits * b, dim=-1).double() - chosen * float(b)).sum() for b in inv_t])
+
+
+def best_temperature(grid: tuple[float, ...], mean_nll: list[float]) -> float:
+    """The grid's best T, refined to the vertex of the parabola through it and its neighbours."""
+    best = min(range(len(grid)), key=mean_nll.__getitem__)
+    if not 0 < best < len(grid) - 1:
+        return float(grid[best])
+    (x0, x1, x2), (y0, y1, y2) = grid[best - 1:best + 2], mean_nll[best - 1:best + 2]
+    denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
+    return float(min(max(-b / (2 * a), x0), x2)) if a > 0 else float(x1)
+
+
+@torch.no_grad()
+def fit_draft_temperature(head: EagleHead | Eagle3Head, embed_weight: torch.Tensor, lm_head_t: torch.Tensor,
+                          sequences: list[dict], s: TrainSettings, n_passes: int = 3,
+                          grid: tuple[float, ...] = TEMPERATURE_GRID, progress=None) -> dict:
+    """The temperature T whose draft log-probs, log_softmax(logits / T), best forecast greedy acceptance.
+
+    Greedy decoding accepts a drafted token when it is the target's argmax. The head learnt the
+    target's whole distribution, whose mass on the argmax is lower than how often a draft's top
+    token *is* the argmax: its probabilities under-forecast acceptance. Standard temperature
+    scaling (Guo et al. 2017): minimise the negative log-likelihood of the target's argmax under
+    the draft over ``sequences`` (held-out ones: the head has not seen them), at draft depths
+    1..n_passes (the head fed its own outputs, as in drafting), pooled token by token. Rows whose
+    argmax lies outside the draft vocabulary are left out (no T changes their probability, 0).
+    The NLL is convex in 1/T; the best grid point is refined by a parabola through its neighbours.
+
+    lm_head_t: the target's full [H, V] lm_head. Returns {"greedy": T, "nll": {T: mean NLL}, "tokens": n,
+    "depths": n_passes, "accuracy": top-1 per depth}.
+    """
+    was_training = head.training
+    head.eval()
+    ids = head.draft_token_ids
+    vocab = lm_head_t.shape[1]
+    draft_lm_t = lm_head_t if ids is None else lm_head_t[:, ids]
+    inv = torch.arange(vocab) if ids is None else torch.full((vocab,), -1, dtype=torch.long).index_put_(
+        (ids.cpu(),), torch.arange(ids.numel()))
+    inv_t = torch.tensor(grid, dtype=torch.float32).reciprocal()
+    nll = torch.zeros(len(grid), dtype=torch.float64)
+    hits = torch.zeros(n_passes, dtype=torch.float64)
+    counted = torch.zeros(n_passes, dtype=torch.float64)
+    for batch in make_batches(sequences, s.batch_tokens, s.max_seq_len, random.Random(0)):
+        preds, target, mask, index = unroll(head, embed_weight, sequences, batch, s, noise=False,
+                                            n_passes=n_passes, held_out=True)
+        want = inv[(target @ lm_head_t).argmax(-1)]  # the target's own next token, in draft ids (-1: outside)
+        for k, pred in enumerate(preds):
+            rows = (index >= k) & (want >= 0)  # pass k + 1 has no chain before index k
+            x = head.logits_input(pred[mask][rows])
+            logits = head.lm_head(x) if isinstance(head, Eagle3Head) else x @ draft_lm_t
+            w = want[rows]
+            hits[k] += float((logits.argmax(-1) == w).sum())
+            counted[k] += w.numel()
+            nll += argmax_nll(logits, w, inv_t)
+        if progress:
+            progress.update(len(batch))
+    head.train(was_training)
+    n = float(counted.sum())
+    if n == 0:
+        raise ValueError("no held-out response tokens to fit the draft temperature on")
+    mean = nll / n
+    return {"greedy": round(best_temperature(grid, mean.tolist()), 3), "nll": {str(g): round(float(v), 5) for g, v in zip(grid, mean)},
+            "tokens": int(n), "depths": n_passes,
+            "accuracy": [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counted)]}
+
+
 def new_eagle3_head(target, draft_ids: torch.Tensor, capture_layers: tuple[int, ...]) -> Eagle3Head:
     """An EAGLE-3 head to train for ``target`` (a NativeLlama): the draft vocabulary ``draft_ids``
     (sorted target ids), its ``lm_head`` the target's rows for them (kept frozen in training), its
@@ -246,24 +344,11 @@ class HeadTrainer:
         s = self.settings
         held_out = sequences is not None  # validation scores response tokens only
         eagle3 = isinstance(self.head, Eagle3Head)
-        tokens_next, feats_in, feats_target, mask, layers_in = collate(
-            sequences or self.sequences, batch, s.max_seq_len, s.prompt_loss and not held_out,
-            extra="states" if eagle3 else "layers")
-        t = feats_in.shape[1]
-        if eagle3:  # committed positions read fc(captured states); no noise: the later passes are its own
-            if layers_in is None:
-                raise ValueError("an EAGLE-3 head trains on sequences with captured layer states (\"states\")")
-            feats_in = self.head.fc(layers_in)
-        else:
-            if noise:
-                feats_in = feats_in + (torch.rand_like(feats_in) * 2 - 1) * s.noise
-            feats_in = self.head.fused_features(feats_in, layers_in)  # committed positions: + fused layers
-        preds = ttt_passes(self.head, F.embedding(tokens_next, self.embed_weight), feats_in, n_passes or s.ttt_passes)  # k x [B, T, H]
-        target = feats_target[mask]  # [M, H]
+        preds, target, mask, index = unroll(self.head, self.embed_weight, sequences or self.sequences, batch, s,
+                                            noise=noise, n_passes=n_passes or s.ttt_passes, held_out=held_out)
         with torch.no_grad():
             p = torch.softmax(target @ self.lm_head_t, dim=-1)  # [M, Vd]
             want = p.argmax(-1)
-        index = torch.arange(t).expand_as(mask)[mask]  # [M] the step index of each counted row
         total, weights, stats = 0.0, 0.0, {"tokens": int(mask.sum())}
         for k, pred in enumerate(preds, start=1):
             rows = index >= k - 1  # pass k has no chain before index k - 1
