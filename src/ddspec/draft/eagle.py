@@ -105,7 +105,7 @@ class EagleDrafter:
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
                                    self.draft_weights)  # [Vd, H]
         self.head_temperature = head_draft_temperature(head)  # fitted for greedy decoding; 1 when absent
-        self.temperature = tree.draft_temperature or self.head_temperature  # until score_for() says otherwise
+        self.temperature = self.greedy_temperature  # until score_for() says otherwise
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
         if (tree.depth_policy == "cost") != (cost_policy is not None):
             raise ConfigError("the cost depth policy and a CostAwarePolicy go together")
@@ -151,7 +151,12 @@ class EagleDrafter:
         distribution. Its logits divided by a fitted T < 1 forecast acceptance better, and the
         tree (EAGLE-2's reranking, DDD's stopping rule, the cost-aware forecasts) is grown from
         those forecasts. Sampling accepts a token with about the target's probability of it: T = 1."""
-        self.temperature = (self.cfg.draft_temperature or self.head_temperature) if sampling.greedy else 1.0
+        self.temperature = self.greedy_temperature if sampling.greedy else 1.0
+
+    @property
+    def greedy_temperature(self) -> float:
+        """--draft-temperature when given, else the head's fitted value."""
+        return self.cfg.draft_temperature or self.head_temperature
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probs over the draft vocabulary (the tree's scores): hidden [n, H] -> [n, Vd]."""

@@ -145,6 +145,13 @@ def unroll(head: EagleHead | Eagle3Head, embed_weight: torch.Tensor, sequences: 
     return preds, feats_target[mask], mask, index
 
 
+def draft_logits(head: EagleHead | Eagle3Head, hidden: torch.Tensor, draft_lm_t: torch.Tensor) -> torch.Tensor:
+    """The head's draft logits [M, Vd] for its outputs ``hidden`` [M, H]: an EAGLE-3 head's own lm_head
+    over norm(h), an EAGLE-1/2 head's f̂ times the target's lm_head rows ``draft_lm_t`` [H, Vd]."""
+    x = head.logits_input(hidden)
+    return head.lm_head(x) if isinstance(head, Eagle3Head) else x @ draft_lm_t
+
+
 # the greedy draft temperatures tried by fit_draft_temperature (then refined between neighbours)
 TEMPERATURE_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(27))  # 0.30 .. 1.60
 
@@ -202,8 +209,7 @@ def fit_draft_temperature(head: EagleHead | Eagle3Head, embed_weight: torch.Tens
         want = inv[(target @ lm_head_t).argmax(-1)]  # the target's own next token, in draft ids (-1: outside)
         for k, pred in enumerate(preds):
             rows = (index >= k) & (want >= 0)  # pass k + 1 has no chain before index k
-            x = head.logits_input(pred[mask][rows])
-            logits = head.lm_head(x) if isinstance(head, Eagle3Head) else x @ draft_lm_t
+            logits = draft_logits(head, pred[mask][rows], draft_lm_t)
             w = want[rows]
             hits[k] += float((logits.argmax(-1) == w).sum())
             counted[k] += w.numel()
@@ -355,13 +361,12 @@ class HeadTrainer:
             pk = pred[mask][rows]
             suffix = "" if k == 1 else str(k)
             w = s.ttt_decay ** (k - 1)
+            log_q = torch.log_softmax(draft_logits(self.head, pk, self.lm_head_t), dim=-1)
             if eagle3:  # EAGLE-3: only the draft distribution is learnt; h is free to be what helps
-                log_q = torch.log_softmax(self.head.lm_head(self.head.logits_input(pk)), dim=-1)
                 p_loss = -(p[rows] * log_q).sum(-1).mean()
                 total, weights = total + w * p_loss, weights + w
             else:
                 v_loss = F.smooth_l1_loss(pk, target[rows])
-                log_q = torch.log_softmax(pk @ self.lm_head_t, dim=-1)
                 p_loss = -(p[rows] * log_q).sum(-1).mean()
                 total, weights = total + w * (v_loss + s.p_weight * p_loss), weights + w
                 stats[f"v_loss{suffix}"] = float(v_loss.detach())
