@@ -507,6 +507,20 @@ def test_merge_adds_another_runs_data_once_with_its_layer_states(tmp_path, capsy
     assert torch.equal(torch.load(run / "data" / f"layers-{key}.pt", weights_only=True)[0],
                        torch.load(more / "data" / f"layers-{src_key}.pt", weights_only=True)[0])
     assert main(["train", "fit", "--out", str(run), *base, "--epochs", "0.2", "--val-sequences", "4"]) == 0
+    # the newest shards alone give the last n sequences and their layer states (what calibrate reads)
+    from ddspec.train.generate import tail_shard_keys
+    from ddspec.train.layers import attach_layer_states
+
+    everything = load_shards(run / "data")
+    attach_layer_states(everything, run / "data", (1,))
+    assert len(tail_shard_keys(run / "data", 1)) == 1
+    assert tail_shard_keys(run / "data", len(everything)) == sorted(merged["shards"])
+    for n in (1, 4, len(everything)):
+        keys = tail_shard_keys(run / "data", n)
+        tail = load_shards(run / "data", keys)
+        attach_layer_states(tail, run / "data", (1,), keys)
+        assert [s["id"] for s in tail[-n:]] == [s["id"] for s in everything[-n:]]
+        assert all(torch.equal(a["layers"], b["layers"]) for a, b in zip(tail[-n:], everything[-n:]))
     # a rerun adds nothing; the run's own data stage resumes past its own shards only
     assert main(["train", "merge", "--out", str(run), "--from", str(more), "--threads", "1", "--tiny"]) == 0
     assert json.loads((run / "data" / "manifest.json").read_text())["shards"] == merged["shards"]

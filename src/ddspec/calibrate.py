@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddspec.fileio import write_json_atomic
 from ddspec.machine import cache_root, cpu_name, load_average
 from ddspec.tree.cost import CostModel
 
@@ -260,11 +261,9 @@ class CostStore:
     def write(self, m: Measurement) -> bool:
         if not self.writable:
             return False
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(to_json(m, self.key), indent=1))
-            tmp.replace(self.path)
+            write_json_atomic(self.path, to_json(m, self.key))
             return True
         except OSError as e:
             self.writable = False

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ddspec.errors import ConfigError
+from ddspec.fileio import write_json_atomic
 
 KERNELS = ("mm", "linear", "onednn", "native")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 256)  # row counts measured; others use the bucket above
@@ -253,10 +254,8 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
         return plan
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": key, "kernels": list(plan.kernels),
-                                   "measured": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
-        tmp.replace(path)
+        write_json_atomic(path, {"key": key, "kernels": list(plan.kernels),
+                                 "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
     except OSError as e:
         print(f"ddspec: cannot cache the kernel choice in {path.parent} ({e.strerror or e}); "
               "it will be measured again next time", file=sys.stderr)

@@ -30,6 +30,7 @@ import torch
 
 from ddspec.draft.features import fusion_input
 from ddspec.errors import DdspecError
+from ddspec.fileio import write_json_atomic
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.llama import NativeLlama, layer_forward
 from ddspec.prompts import chat_prompt_ids
@@ -309,9 +310,7 @@ class ShardWriter:
             m["response_tokens"] += response_tokens
             m["sequences"] += len(sequences)
             m["wall_s"] += wall_s
-            mtmp = self.path.with_suffix(".tmp")
-            mtmp.write_text(json.dumps(m, indent=1))
-            os.replace(mtmp, self.path)
+            write_json_atomic(self.path, m)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:
@@ -411,12 +410,26 @@ def load_manifest_sequences(data_dir: Path) -> int:
     return int(json.loads(path.read_text())["sequences"])
 
 
-def load_shards(data_dir: Path) -> list[dict]:
+def load_shards(data_dir: Path, keys: list[str] | None = None) -> list[dict]:
+    """The sequences of every shard (or of ``keys``), in shard order."""
     manifest = json.loads((data_dir / "manifest.json").read_text())
     seqs: list[dict] = []
-    for key in sorted(manifest["shards"]):
+    for key in sorted(manifest["shards"] if keys is None else keys):
         seqs += torch.load(data_dir / f"shard-{key}.pt", weights_only=True)
     return seqs
+
+
+def tail_shard_keys(data_dir: Path, n: int) -> list[str]:
+    """The newest shards that together hold at least ``n`` sequences (all of them if they hold fewer):
+    enough to read the last ``n`` sequences without loading the rest of a large run."""
+    shards = json.loads((data_dir / "manifest.json").read_text())["shards"]
+    keys, held = [], 0
+    for key in sorted(shards, reverse=True):
+        if held >= n:
+            break
+        keys.append(key)
+        held += int(shards[key]["sequences"])
+    return sorted(keys)
 
 
 def check_features_match(target, features: torch.Tensor, input_ids: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from ddspec.draft.head import fusion_input
 from ddspec.errors import DdspecError
+from ddspec.fileio import write_json_atomic
 from ddspec.train.data import length_groups
 
 
@@ -102,25 +103,25 @@ def write_layer_shard(data_dir: Path, key: str, states: list[torch.Tensor], laye
     os.replace(tmp, data_dir / f"layers-{key}.pt")
     state["shards"][key] = {"sequences": len(states)}
     state["wall_s"] += wall_s
-    ptmp = path.with_suffix(".tmp")
-    ptmp.write_text(json.dumps(state, indent=1))
-    os.replace(ptmp, path)
+    write_json_atomic(path, state)
     return state
 
 
-def attach_layer_states(sequences: list[dict], data_dir: Path, layers: tuple[int, ...]) -> None:
-    """Add ``"layers"`` to every sequence (in :func:`ddspec.train.generate.load_shards` order)."""
+def attach_layer_states(sequences: list[dict], data_dir: Path, layers: tuple[int, ...],
+                        keys: list[str] | None = None) -> None:
+    """Add ``"layers"`` to every sequence (in :func:`ddspec.train.generate.load_shards` order, of the same
+    ``keys``: every shard by default)."""
     path = data_dir / "layers.json"
-    data = json.loads((data_dir / "manifest.json").read_text())
+    keys = sorted(json.loads((data_dir / "manifest.json").read_text())["shards"] if keys is None else keys)
     state = json.loads(path.read_text()) if path.is_file() else None
-    missing = [k for k in sorted(data["shards"]) if not state or k not in state["shards"]]
+    missing = [k for k in keys if not state or k not in state["shards"]]
     if state and state["layers"] != list(layers):
         raise DdspecError(f"{data_dir} holds the states of layers {state['layers']}, not the {list(layers)} asked for")
     if missing:
         raise DdspecError(f"{len(missing)} data shards have no layer states yet: run `ddspec train layers "
                           f"--out {data_dir.parent} --fuse-layers {','.join(map(str, layers))}` first")
     i = 0
-    for key in sorted(data["shards"]):
+    for key in keys:
         for states in torch.load(data_dir / f"layers-{key}.pt", weights_only=True):
             if states.shape[0] != sequences[i]["features"].shape[0]:
                 raise DdspecError(f"layers-{key}.pt does not match shard-{key}.pt: delete it and rerun the layers stage")

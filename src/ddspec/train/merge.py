@@ -21,17 +21,12 @@ import shutil
 from pathlib import Path
 
 from ddspec.errors import DdspecError
+from ddspec.fileio import write_json_atomic
 from ddspec.train.layers import layer_state
 
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _place(src: Path, dst: Path) -> None:
@@ -91,12 +86,12 @@ def merge_data(dst: Path, src: Path, log=print) -> dict:
         if layers and key in their_layers["shards"]:
             _place(src / f"layers-{key}.pt", dst / f"layers-{new}.pt")
             mine_layers["shards"][new] = dict(their_layers["shards"][key])
-            _write(dst / "layers.json", mine_layers)
+            write_json_atomic(dst / "layers.json", mine_layers)
         mine["shards"][new] = dict(e, merged_from=origin)
         for field in ("sequences", "response_tokens"):
             mine[field] += e[field]
             added[field] += e[field]
-        _write(dst / "manifest.json", mine)
+        write_json_atomic(dst / "manifest.json", mine)
         added["shards"] += 1
         log(f"shard {new} <- {src}/shard-{key}.pt ({'sampled pass ' + str(e['pass']) if e.get('pass') else 'greedy'}, "
             f"{e['sequences']} sequences, {e['response_tokens']} response tokens)")

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ddspec.errors import DdspecError
+from ddspec.fileio import write_json_atomic
 
 EVAL_FILES = ("mt_bench", "humaneval", "gsm8k")
 TINY_PROMPTS = [f"{verb} {thing}." for verb in ("Describe", "List facts about", "Write a poem on", "Explain")
@@ -349,9 +350,9 @@ def stage_calibrate(args, out: Path, target) -> None:
     and record it in the head's config (``ddspec.draft_temperature``), where the drafter reads it."""
     from ddspec.draft.checkpoint import load_head
     from ddspec.draft.eagle3 import Eagle3Head
-    from ddspec.train.generate import load_shards
+    from ddspec.train.generate import load_manifest_sequences, load_shards, tail_shard_keys
     from ddspec.train.layers import attach_layer_states
-    from ddspec.train.trainer import TrainSettings, fit_draft_temperature, split_validation
+    from ddspec.train.trainer import TrainSettings, fit_draft_temperature
 
     folder = Path(args.to) if args.to else out / "head"
     n_val = args.val_sequences
@@ -367,17 +368,18 @@ def stage_calibrate(args, out: Path, target) -> None:
                           "or name a head folder with --to")
     log = StageLog(out, "calibrate")
     head = load_head(folder, target.info)
-    sequences = load_shards(out / "data")
-    if n_val >= len(sequences):
-        raise DdspecError(f"--val-sequences {n_val}: the data holds only {len(sequences)} sequences; hold out fewer")
+    total = load_manifest_sequences(out / "data")
+    if n_val >= total:
+        raise DdspecError(f"--val-sequences {n_val}: the data holds only {total} sequences; hold out fewer")
+    keys = tail_shard_keys(out / "data", n_val)  # the held-out sequences live in the newest shards
+    sequences = load_shards(out / "data", keys)
     if isinstance(head, Eagle3Head):
         if "states" not in sequences[-1]:
             raise DdspecError(f"{out / 'data'} holds no captured layer states for an EAGLE-3 head: calibrate it on "
                               "data made with `ddspec train data --arch eagle3`")
     elif head.fuse_layers:
-        attach_layer_states(sequences, out / "data", head.fuse_layers)
-    val = split_validation(sequences, n_val)[1]
-    del sequences  # the training part: only the held-out sequences are read
+        attach_layer_states(sequences, out / "data", head.fuse_layers, keys)
+    val = sequences[-n_val:]
     passes = max(2, args.ttt_passes)
     settings = TrainSettings(batch_tokens=args.batch_tokens if not args.tiny else 512)
     with tqdm(total=len(val), desc="calibrate", unit="seq", file=sys.stderr, disable=None) as bar:
@@ -386,9 +388,7 @@ def stage_calibrate(args, out: Path, target) -> None:
     fit["fitted_on"] = f"the last {n_val} sequences of {out / 'data'} (held out from `fit`)"
     cfg = json.loads((folder / "config.json").read_text())
     cfg.setdefault("ddspec", {})["draft_temperature"] = fit
-    tmp = folder / "config.json.tmp"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    tmp.replace(folder / "config.json")
+    write_json_atomic(folder / "config.json", cfg, indent=2)
     nll = fit["nll"]
     log.info(f"greedy draft temperature {fit['greedy']} for {folder} ({fit['tokens']} held-out tokens, depths "
              f"1..{passes}, top-1 accuracy {fit['accuracy']}); argmax NLL {nll['1.0']:.4f} at T = 1, "
