@@ -583,3 +583,28 @@ def test_calibrate_stage_records_the_temperature_the_drafter_uses(tmp_path, caps
     exported = json.loads((out / "export" / "config.json").read_text())["ddspec"]["draft_temperature"]
     assert exported["greedy"] == fit["greedy"]
     assert f"greedy draft temperature: **{fit['greedy']}**" in (out / "export" / "README.md").read_text()
+
+
+def test_fit_checkpoints_by_wall_time_as_well_as_by_steps(tmp_path, monkeypatch, capsys):
+    """--checkpoint-minutes 0 writes train_state.pt after every step even when --checkpoint-every is
+    never reached; a long interval writes it only at the end; bad values are refused with a message."""
+    from ddspec.train.trainer import HeadTrainer
+
+    saved_at = []
+    real = HeadTrainer.save_state
+    monkeypatch.setattr(HeadTrainer, "save_state", lambda self: (saved_at.append(self.step), real(self))[1])
+    base = ["--tiny", "--threads", "1", "--checkpoint-every", "1000"]
+    out = tmp_path / "run"
+    assert main(["train", "data", "--out", str(out), *base[:3]]) == 0
+    assert main(["train", "fit", "--out", str(out), *base, "--checkpoint-minutes", "0"]) == 0
+    steps = saved_at[-1]
+    assert steps > 2 and saved_at == list(range(1, steps + 1))
+    saved_at.clear()
+    other = tmp_path / "other"
+    assert main(["train", "data", "--out", str(other), *base[:3]]) == 0
+    assert main(["train", "fit", "--out", str(other), *base, "--checkpoint-minutes", "60"]) == 0
+    assert saved_at == [steps]
+    capsys.readouterr()
+    assert main(["train", "fit", "--out", str(out), *base, "--checkpoint-minutes", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-minutes" in err and "Traceback" not in err

@@ -75,7 +75,11 @@ def add_parser(sub) -> None:
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="train and ship a reduced draft vocabulary of this many tokens (0 = full)")
-    g.add_argument("--checkpoint-every", type=int, default=200)
+    g.add_argument("--checkpoint-every", type=int, default=200,
+                   help="write train_state.pt every this many steps (default 200) and at the end")
+    g.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                   help="also write it once this many minutes have passed since the last one (default 10): "
+                        "an interrupted fit resumes losing at most that much work")
     g.add_argument("--warmup-steps", type=int, default=100, help="linear learning-rate warm-up (default 100)")
     g.add_argument("--noise", type=float, default=0.1,
                    help="half-width of the uniform noise added to the input features (default 0.1)")

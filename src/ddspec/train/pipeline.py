@@ -290,6 +290,7 @@ def stage_fit(args, out: Path, target) -> None:
     settings = TrainSettings(
         epochs=args.epochs if not args.tiny else 3.0, lr=args.lr, batch_tokens=args.batch_tokens if not args.tiny else 512,
         draft_vocab=args.draft_vocab if not args.tiny else 0, checkpoint_every=args.checkpoint_every,
+        checkpoint_minutes=args.checkpoint_minutes,
         warmup_steps=args.warmup_steps if not args.tiny else 5, noise=args.noise, weight_decay=args.weight_decay,
         p_weight=args.p_weight,
         ttt_passes=args.ttt_passes, val_sequences=args.val_sequences, eval_every=args.eval_every,
@@ -297,6 +298,9 @@ def stage_fit(args, out: Path, target) -> None:
     )
     if not settings.p_weight >= 0:
         raise DdspecError(f"--p-weight must be 0 or more (the cross-entropy's weight), got {settings.p_weight}")
+    if not settings.checkpoint_every >= 1 or not settings.checkpoint_minutes >= 0:
+        raise DdspecError(f"--checkpoint-every must be 1 or more and --checkpoint-minutes 0 or more, got "
+                          f"{settings.checkpoint_every} and {settings.checkpoint_minutes}")
     if settings.ttt_passes < 1:
         raise DdspecError(f"--ttt-passes must be at least 1 (1 = plain teacher forcing), got {settings.ttt_passes}")
     if settings.val_sequences >= len(sequences):

@@ -7,7 +7,8 @@ With a reduced draft vocabulary the cross-entropy runs over those tokens only (E
 recipe), which is ~3x cheaper per token on a CPU, and the head ships with that ``d2t``.
 
 Checkpoints (``train_state.pt``: head, optimiser, step, RNG) are written every
-``checkpoint_every`` steps and at the end; a restart with the same arguments resumes from the
+``checkpoint_every`` steps, whenever ``checkpoint_minutes`` of wall time have passed since the last
+one (a slow machine loses at most that much work when it stops), and at the end; a restart with the same arguments resumes from the
 last one, never silently from scratch.
 
 Training-time test (``ttt_passes`` > 1, as in HASS / EAGLE-3): at draft depth 2 and deeper the
@@ -58,6 +59,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     draft_vocab: int = 0  # 0 = full vocabulary; else the most frequent response tokens
     checkpoint_every: int = 200
+    checkpoint_minutes: float = 10.0  # also checkpoint when this much wall time passed since the last one
     seed: int = 0
     ttt_passes: int = 1  # 1 = the EAGLE-1 objective; k > 1 also trains draft depths 2..k on own predictions
     ttt_decay: float = 0.8  # loss weight of pass k is ttt_decay ** (k - 1)
@@ -404,6 +406,7 @@ class HeadTrainer:
             self.history.append(start)
             if log:
                 log(start)
+        last_save = time.monotonic()
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             if self.step % epoch_len == 0 and self.step > 0:  # a new epoch: reshuffle deterministically
@@ -431,8 +434,10 @@ class HeadTrainer:
                 progress.set_postfix({k: f"{v:.3f}" for k, v in shown.items()})
             if log:
                 log(stats)
-            if self.step % self.settings.checkpoint_every == 0 or self.step == self.total_steps:
+            due = time.monotonic() - last_save >= 60 * self.settings.checkpoint_minutes
+            if due or self.step % self.settings.checkpoint_every == 0 or self.step == self.total_steps:
                 self.save_state()
+                last_save = time.monotonic()
         if self.best is not None:  # keep the head that did best on held-out data
             self.head.load_state_dict(self.best["head"])
         self.head.eval()
