@@ -608,3 +608,21 @@ def test_fit_checkpoints_by_wall_time_as_well_as_by_steps(tmp_path, monkeypatch,
     assert main(["train", "fit", "--out", str(out), *base, "--checkpoint-minutes", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--checkpoint-minutes" in err and "Traceback" not in err
+
+
+def test_a_kept_draft_vocabulary_is_recorded_in_the_training_settings(tmp_path):
+    """--keep-draft-vocab trains over the earlier head's d2t: the head's config records that size,
+    not the --draft-vocab default of 0 (the full vocabulary)."""
+    from ddspec.draft.checkpoint import random_head, save_head
+    from ddspec.models.loading import load_target
+
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    target = load_target(str(out / "tiny_model"), impl="native")
+    earlier = random_head(target.hf_config, seed=3)
+    earlier.register_buffer("d2t", torch.arange(0, 64, 2) - torch.arange(32))  # 32 draft tokens
+    save_head(earlier, tmp_path / "earlier")
+    assert main(["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--init-from",
+                 str(tmp_path / "earlier"), "--keep-draft-vocab"]) == 0
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["ddspec"]["training"]["settings"]["draft_vocab"] == 32

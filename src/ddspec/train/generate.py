@@ -412,9 +412,10 @@ def load_manifest_sequences(data_dir: Path) -> int:
 
 def load_shards(data_dir: Path, keys: list[str] | None = None) -> list[dict]:
     """The sequences of every shard (or of ``keys``), in shard order."""
-    manifest = json.loads((data_dir / "manifest.json").read_text())
+    if keys is None:
+        keys = json.loads((data_dir / "manifest.json").read_text())["shards"]
     seqs: list[dict] = []
-    for key in sorted(manifest["shards"] if keys is None else keys):
+    for key in sorted(keys):
         seqs += torch.load(data_dir / f"shard-{key}.pt", weights_only=True)
     return seqs
 

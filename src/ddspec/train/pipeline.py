@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from dataclasses import asdict
+from dataclasses import asdict, replace
 import json
 import logging
 import sys
@@ -321,6 +321,8 @@ def stage_fit(args, out: Path, target) -> None:
     else:
         head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers,
                          getattr(args, "keep_draft_vocab", False))
+        if getattr(head, "d2t", None) is not None:  # record the vocabulary trained on (a kept one too)
+            settings = replace(settings, draft_vocab=int(head.d2t.numel()))
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
     if trainer.try_resume():
         log.info(f"resuming from step {trainer.step}/{trainer.total_steps} ({out / 'train_state.pt'})")
