@@ -48,6 +48,11 @@ def test_tiny_pipeline_end_to_end(tmp_path, capsys):
     assert (r2["prompts"], r2["turns"], r2["identical_to_plain"]) == (4, 8, "8/8")
     assert r2["tau_steps"] > r["tau_steps"] and r2["by_category"]["tiny"]["turns"] == 8
     assert "(4 prompts, 8 turns)" in (out / "eval.log").read_text()
+    by_turn = r2["by_turn"]  # json keys: the turn numbers as text
+    assert [(t, e["turns"]) for t, e in by_turn.items()] == [("1", 4), ("2", 4)]
+    assert sum(e["steps"] for e in by_turn.values()) == r2["tau_steps"]
+    assert sum(e["tokens"] for e in by_turn.values()) == r2["tau_tokens"]
+    assert "tau by turn: turn 1 " in (out / "eval.log").read_text()
     assert main(["train", "eval", "--tiny", "--out", str(out), "--threads", "1", "--eval-turns", "0"]) != 0
     assert "--eval-turns 0" in capsys.readouterr().err
 

@@ -80,6 +80,17 @@ def depth_acceptance(stats: list[RunStats]) -> list[float]:
     return rates
 
 
+def _tau_by(keys: list, runs: list[RunStats]) -> dict:
+    """τ of the runs grouped by ``keys`` (one key per run), in first-seen order."""
+    groups: dict = {}
+    for key, run in zip(keys, runs):
+        entry = groups.setdefault(key, {"turns": 0, "tokens": 0, "steps": 0})
+        entry["turns"] += 1
+        entry["tokens"] += sum(s.accepted + 1 for s in run.steps)
+        entry["steps"] += len(run.steps)
+    return {k: {**e, "tau": e["tokens"] / max(1, e["steps"])} for k, e in groups.items()}
+
+
 def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens: int, tree: TreeConfig = TreeConfig(),
                   method: str = "eagle2", progress=None, categories: list[str] | None = None) -> dict:
     """τ, acceptance by depth and draft cost of ``head`` with ``method``'s trees, each turn also
@@ -87,10 +98,10 @@ def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens
     user turns): turn k then follows turns 1..k-1 and plain decoding's answers to them."""
     drafter = EagleDrafter(head, target, tree_config(method, tree))
     stop = StopConfig(max_new_tokens=new_tokens)
-    runs, same, wall, plain_wall, tokens, turn_categories = [], 0, 0.0, 0.0, 0, []
+    runs, same, wall, plain_wall, tokens, turn_categories, turn_numbers = [], 0, 0.0, 0.0, 0, [], []
     for i, prompt in enumerate(prompts):
         messages: list[dict[str, str]] = []
-        for text in [prompt] if isinstance(prompt, str) else prompt:
+        for turn, text in enumerate([prompt] if isinstance(prompt, str) else prompt, start=1):
             messages.append({"role": "user", "content": text})
             ids = chat_prompt_ids(target.tokenizer, messages)
             t0 = time.perf_counter()
@@ -101,19 +112,15 @@ def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens
             same += res.token_ids == ref.token_ids
             runs.append(res.stats)
             turn_categories.append(categories[i] if categories else "")
+            turn_numbers.append(turn)
             plain_wall, wall, tokens = plain_wall + t1 - t0, wall + t2 - t1, tokens + res.stats.new_tokens
             messages.append({"role": "assistant", "content": target.tokenizer.decode(ref.token_ids, skip_special_tokens=True)})
             if progress:
                 progress.update(1)
     steps = [s for r in runs for s in r.steps]
-    by_category: dict[str, dict] = {}
-    for cat, run in zip(turn_categories if categories else [], runs):
-        entry = by_category.setdefault(cat, {"turns": 0, "tokens": 0, "steps": 0})
-        entry["turns"] += 1
-        entry["tokens"] += sum(s.accepted + 1 for s in run.steps)
-        entry["steps"] += len(run.steps)
     return {
-        "by_category": {c: {**e, "tau": e["tokens"] / max(1, e["steps"])} for c, e in by_category.items()},
+        "by_category": _tau_by(turn_categories if categories else [], runs),
+        "by_turn": _tau_by(turn_numbers, runs),
         "prompts": len(prompts),
         "turns": len(runs),
         "tau": sum(s.accepted + 1 for s in steps) / max(1, len(steps)),

@@ -460,6 +460,9 @@ def stage_eval(args, out: Path, target) -> None:
                 if len(r["by_category"]) > 1:
                     log.info(f"{vname} {name} tau by category: "
                              + ", ".join(f"{c} {e['tau']:.3f}" for c, e in r["by_category"].items()))
+                if len(r["by_turn"]) > 1:
+                    log.info(f"{vname} {name} tau by turn: "
+                             + ", ".join(f"turn {t} {e['tau']:.3f} ({e['turns']} turns)" for t, e in r["by_turn"].items()))
     (out / "eval.json").write_text(json.dumps(results, indent=1))
     log.finish()
 
