@@ -631,3 +631,30 @@ def test_a_kept_draft_vocabulary_is_recorded_in_the_training_settings(tmp_path):
                  str(tmp_path / "earlier"), "--keep-draft-vocab"]) == 0
     cfg = json.loads((out / "head" / "config.json").read_text())
     assert cfg["ddspec"]["training"]["settings"]["draft_vocab"] == 32
+
+
+def test_second_turns_follow_the_greedy_answers(tmp_path, capsys):
+    from ddspec.train.generate import load_shards
+
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--second-turns", "3"]) == 0
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert any(e.get("turn") == 2 for e in manifest["shards"].values())
+    seqs = load_shards(out / "data")
+    firsts = {s["id"]: s for s in seqs if "#" not in s["id"]}
+    seconds = [s for s in seqs if s["id"].endswith("#t2")]
+    assert len(seconds) == 3 and len(firsts) + 3 == len(seqs)
+    for s in seconds:
+        first = firsts[s["id"][: -len("#t2")]]
+        n = first["prompt_len"]
+        # the chat opens with the first prompt and holds the first answer before the new user turn
+        assert s["input_ids"][:n].tolist() == first["input_ids"][:n].tolist()
+        assert s["prompt_len"] > len(first["input_ids"]) - 1
+        assert s["features"].shape[0] == len(s["input_ids"]) - 1
+    assert "second turns: 3 greedy answers" in (out / "data.log").read_text()
+    # a rerun resumes: nothing new; a negative count is refused before any work
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--second-turns", "3"]) == 0
+    assert json.loads((out / "data" / "manifest.json").read_text())["sequences"] == manifest["sequences"]
+    capsys.readouterr()
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1", "--second-turns", "-1"]) != 0
+    assert "--second-turns must be 0 or more" in capsys.readouterr().err

@@ -61,6 +61,10 @@ def add_parser(sub) -> None:
     g.add_argument("--greedy-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="answer the prompt mix greedily before any sampled pass (default); --no-greedy-pass makes "
                         "only sampled answers: new data for a head already trained on the greedy ones")
+    g.add_argument("--second-turns", type=int, default=0, metavar="N",
+                   help="after the greedy pass, follow up to N of its answers to the --sample-sources prompts with "
+                        "a second user turn (another prompt of those sources) and answer it greedily: data whose "
+                        "context holds an earlier exchange, as a chat's later turns do (default 0)")
     g.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature of the sampled passes (default 0.7)")
     g.add_argument("--sample-sources", default=None, metavar="SRC[:CAP],...",

@@ -23,7 +23,8 @@ DEFAULT_CAPS = {"gsm8k_train": 1500, "gpteacher_codegen": 1500}
 class PromptRecord:
     id: str
     source: str
-    text: str  # the first user turn
+    text: str  # the user turn to answer
+    history: tuple[tuple[str, str], ...] = ()  # earlier (role, content) messages of the chat, if any
 
 
 @dataclass(slots=True)

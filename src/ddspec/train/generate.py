@@ -296,7 +296,7 @@ class ShardWriter:
                              "sequences": 0, "wall_s": 0.0}
 
     def write(self, shard: int, sequences: list[dict], response_tokens: int, wall_s: float, *, first: int,
-              prompts: int, pass_id: int = 0) -> None:
+              prompts: int, pass_id: int = 0, turn: int = 1) -> None:
         name = f"shard-{shard:05d}.pt"
         tmp = self.dir / (name + ".tmp")
         try:
@@ -307,6 +307,8 @@ class ShardWriter:
                                           "first": first, "prompts": prompts}
             if pass_id:
                 m["shards"][f"{shard:05d}"]["pass"] = pass_id
+            if turn > 1:
+                m["shards"][f"{shard:05d}"]["turn"] = turn
             m["response_tokens"] += response_tokens
             m["sequences"] += len(sequences)
             m["wall_s"] += wall_s
@@ -322,9 +324,11 @@ class ShardWriter:
 
 
 def encode_prompts(target, records: list[PromptRecord], max_tokens: int) -> list[tuple[str, list[int]]]:
+    """(id, chat-template ids) of each record (its history, then its user turn) that fits ``max_tokens``."""
     out = []
     for r in records:
-        ids = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": r.text}])
+        messages = [{"role": role, "content": text} for role, text in r.history]
+        ids = chat_prompt_ids(target.tokenizer, messages + [{"role": "user", "content": r.text}])
         if len(ids) <= max_tokens:
             out.append((r.id, ids))
     return out
@@ -332,14 +336,16 @@ def encode_prompts(target, records: list[PromptRecord], max_tokens: int) -> list
 
 def run_generation(target, records: list[PromptRecord], out_dir: Path, settings: GenerationSettings,
                    token_budget: int, progress=None, pass_id: int = 0, temperature: float = 0.0,
-                   log=None) -> dict:
+                   log=None, turn: int = 1) -> dict:
     """Generate shards until the prompts or the response-token budget run out; resumable.
     ``log(line)``, when given, hears about every shard written (for runs whose progress bar
     nobody sees: a background job's log file).
 
     ``pass_id`` 0 is the greedy pass over ``records``; pass k >= 1 answers ``records`` again,
     sampled at ``temperature`` with a seed per shard (a rerun writes the same shard). The budget
-    counts the response tokens of every pass together.
+    counts the response tokens of every pass together. ``turn`` 2 marks a greedy pass over second
+    turns (records with a first exchange as history, :func:`second_turn_records`): its shards and
+    sequence ids (``<first turn's id>#t2``) are told apart from the first turns'.
     """
     if pass_id and temperature <= 0:
         raise DdspecError(f"sampled pass {pass_id} needs a temperature > 0")
@@ -361,7 +367,8 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
                           "use another --out folder, or the same --arch as the run that made it")
     prompts = encode_prompts(target, records, settings.max_prompt_tokens)
     every = writer.manifest["shards"]
-    done = {k: e for k, e in every.items() if e.get("pass", 0) == pass_id and "merged_from" not in e}  # ours only
+    done = {k: e for k, e in every.items()  # this pass's own shards only
+            if e.get("pass", 0) == pass_id and e.get("turn", 1) == turn and "merged_from" not in e}
     if progress and progress.n == 0:
         progress.update(writer.manifest["response_tokens"])
     # each shard records the prompt range it answered, so a resumed run may use another shard size
@@ -379,7 +386,8 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
         fused = []
         for (pid, ids), (resp, feats, states) in zip(shard, results):
             seq = ids + resp
-            sequences.append({"id": f"{pid}#s{pass_id}" if pass_id else pid, "input_ids": torch.tensor(seq, dtype=torch.int32),
+            sid = (f"{pid}#s{pass_id}" if pass_id else pid) + (f"#t{turn}" if turn > 1 else "")
+            sequences.append({"id": sid, "input_ids": torch.tensor(seq, dtype=torch.int32),
                               "prompt_len": len(ids), "features": feats[: len(seq) - 1].half()})
             if fuse:
                 fused.append(states[: len(seq) - 1].clone())
@@ -389,17 +397,49 @@ def run_generation(target, records: list[PromptRecord], out_dir: Path, settings:
         if progress:
             progress.update(n_resp)
         writer.write(index, sequences, n_resp, time.perf_counter() - t0, first=first, prompts=len(shard),
-                     pass_id=pass_id)
+                     pass_id=pass_id, turn=turn)
         if fuse:  # after the shard: a shard without its layers file is filled by `train layers`
             write_layer_shard(out_dir, f"{index:05d}", fused, fuse, writer.manifest["target"], 0.0)
         if log:
             wall = time.perf_counter() - t0
             done = writer.manifest["response_tokens"]
-            log(f"shard {index:05d} ({f'sampled pass {pass_id}' if pass_id else 'greedy'}, prompts {first}-"
+            kind = f"sampled pass {pass_id}" if pass_id else "greedy" + (f", turn {turn}" if turn > 1 else "")
+            log(f"shard {index:05d} ({kind}, prompts {first}-"
                 f"{first + len(shard) - 1} of {len(prompts)}): {n_resp} response tokens in {wall:.0f} s "
                 f"({n_resp / max(wall, 1e-9):.0f}/s); {done} of the {token_budget} budget ({100 * done / token_budget:.0f}%)")
         first, index = first + len(shard), index + 1
     return writer.manifest
+
+
+def second_turn_records(data_dir: Path, records: list[PromptRecord], tokenizer, limit: int) -> list[PromptRecord]:
+    """Second turns for up to ``limit`` greedy first answers on disk whose prompt is one of ``records``.
+
+    Each becomes a chat of [user: its prompt, assistant: its greedy answer, user: another prompt of
+    ``records``], answered by a later greedy pass (``turn`` 2), so that the head also learns contexts
+    that hold an earlier exchange, as a conversation's later turns do. The other prompt is picked by a
+    hash of the first turn's id: a topic change, as users make, chosen the same way on every resume.
+    First answers are taken in shard order, so a run whose greedy pass grew keeps its earlier choices."""
+    if limit <= 0 or len(records) < 2:
+        return []
+    position = {r.id: i for i, r in enumerate(records)}
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    keys = [k for k, e in sorted(manifest["shards"].items())
+            if not e.get("pass", 0) and e.get("turn", 1) == 1 and "merged_from" not in e]
+    out: list[PromptRecord] = []
+    for key in keys:
+        for seq in torch.load(data_dir / f"shard-{key}.pt", weights_only=True):
+            i = position.get(seq["id"])
+            if i is None:
+                continue
+            first = records[i]
+            pick = int(hashlib.sha256(first.id.encode()).hexdigest(), 16) % (len(records) - 1)
+            other = records[pick + (pick >= i)]  # any prompt but its own
+            answer = tokenizer.decode(seq["input_ids"][seq["prompt_len"]:].tolist(), skip_special_tokens=True)
+            out.append(PromptRecord(first.id, first.source, other.text,
+                                    history=(("user", first.text), ("assistant", answer))))
+            if len(out) >= limit:
+                return out
+    return out
 
 
 def load_manifest_sequences(data_dir: Path) -> int:

@@ -78,7 +78,7 @@ def stage_data(args, out: Path, target) -> None:
     fuse = _fuse_layers(args, target)
     if args.tiny:
         records = [PromptRecord(str(i), "tiny", t) for i, t in enumerate(TINY_PROMPTS)]
-        budget = 600 * (1 + max(0, getattr(args, "sampled_answers", 0) or 0))
+        budget = 600 * (1 + max(0, getattr(args, "sampled_answers", 0) or 0) + bool(getattr(args, "second_turns", 0)))
         settings = GenerationSettings(max_new_tokens=24, batch_size=8, shard_prompts=8, capture_layers=capture,
                                       fuse_layers=fuse)
     else:
@@ -97,14 +97,19 @@ def stage_data(args, out: Path, target) -> None:
              f"budget {budget} response tokens")
     passes = _sampled_passes(args, records)
     greedy = getattr(args, "greedy_pass", True)
-    if not greedy and not passes:
-        raise DdspecError("--no-greedy-pass leaves nothing to generate: add --sampled-answers N")
+    second = getattr(args, "second_turns", 0) or 0
+    if second < 0:
+        raise DdspecError(f"--second-turns must be 0 or more, not {second}")
+    if not greedy and not passes and not second:
+        raise DdspecError("--no-greedy-pass leaves nothing to generate: add --sampled-answers N or --second-turns N")
     with tqdm(total=budget, desc="responses", unit="tok", file=sys.stderr, disable=None) as bar:
         def quiet(line: str) -> None:  # always in data.log; on the terminal too when no bar shows progress there
             log.info(line, echo=bool(bar.disable))
 
         manifest = (run_generation(target, records, out / "data", settings, budget, progress=bar, log=quiet)
                     if greedy else None)
+        if second:
+            manifest = _second_turns(args, target, records, out / "data", settings, budget, second, bar, quiet, log)
         for k, mix in passes:
             log.info(f"sampled pass {k}: {len(mix)} prompts at temperature {args.temperature}")
             manifest = run_generation(target, mix, out / "data", settings, budget, progress=bar, pass_id=k,
@@ -112,6 +117,25 @@ def stage_data(args, out: Path, target) -> None:
     log.info(f"{manifest['sequences']} sequences, {manifest['response_tokens']} response tokens, "
              f"{len(manifest['shards'])} shards, generation wall {manifest['wall_s']:.0f} s")
     log.finish(response_tokens=manifest["response_tokens"], sequences=manifest["sequences"])
+
+
+def _second_turns(args, target, records, data_dir: Path, settings, budget: int, limit: int, bar, quiet, log) -> dict:
+    """The greedy pass over second turns (``--second-turns N``): chats that follow up up to N greedy answers
+    to the --sample-sources prompts with another of those prompts (train.generate.second_turn_records)."""
+    from ddspec.train.generate import run_generation, second_turn_records
+
+    sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
+    chat = [r for r in records if r.source in sources]
+    if not (data_dir / "manifest.json").is_file():
+        raise DdspecError(f"--second-turns follows up greedy answers, and {data_dir} has none yet: run the greedy "
+                          "pass first (drop --no-greedy-pass)")
+    follow = second_turn_records(data_dir, chat, target.tokenizer, limit)
+    log.info(f"second turns: {len(follow)} greedy answers to {', '.join(sources)} prompts, each followed by another "
+             f"of those prompts (chats over {settings.max_prompt_tokens} tokens are skipped)")
+    manifest = run_generation(target, follow, data_dir, settings, budget, progress=bar, log=quiet, turn=2)
+    if manifest["response_tokens"] >= budget:
+        log.info(f"the response-token budget ({budget}) is used up: raise --response-tokens for more second turns")
+    return manifest
 
 
 def _fuse_layers(args, target) -> tuple[int, ...]:
