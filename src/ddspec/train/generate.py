@@ -427,7 +427,8 @@ def second_turn_records(data_dir: Path, records: list[PromptRecord], tokenizer, 
             if not e.get("pass", 0) and e.get("turn", 1) == 1 and "merged_from" not in e]
     out: list[PromptRecord] = []
     for key in keys:
-        for seq in torch.load(data_dir / f"shard-{key}.pt", weights_only=True):
+        # mmap: only the ids are read here, not the shard's features
+        for seq in torch.load(data_dir / f"shard-{key}.pt", weights_only=True, mmap=True):
             i = position.get(seq["id"])
             if i is None:
                 continue

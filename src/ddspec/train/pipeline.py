@@ -124,8 +124,7 @@ def _second_turns(args, target, records, data_dir: Path, settings, budget: int, 
     to the --sample-sources prompts with another of those prompts (train.generate.second_turn_records)."""
     from ddspec.train.generate import run_generation, second_turn_records
 
-    sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
-    chat = [r for r in records if r.source in sources]
+    sources, chat = _sample_source_records(args, records)
     if not (data_dir / "manifest.json").is_file():
         raise DdspecError(f"--second-turns follows up greedy answers, and {data_dir} has none yet: run the greedy "
                           "pass first (drop --no-greedy-pass)")
@@ -183,6 +182,12 @@ def parse_sample_sources(spec: str | None, available: set[str]) -> dict[str, int
     return out
 
 
+def _sample_source_records(args, records) -> tuple[dict[str, int | None], list]:
+    """--sample-sources parsed ({source: cap or None}) and the records of those sources, in order."""
+    sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
+    return sources, [r for r in records if r.source in sources]
+
+
 def _sampled_passes(args, records) -> list:
     """The prompt mix of each sampled pass (a different order per pass)."""
     from ddspec.train.data import balanced_mix
@@ -197,8 +202,7 @@ def _sampled_passes(args, records) -> list:
         return []
     if not args.temperature > 0:
         raise DdspecError(f"--temperature must be above 0 for sampled answers, not {args.temperature}")
-    sources = parse_sample_sources(getattr(args, "sample_sources", None), {r.source for r in records})
-    chosen = [r for r in records if r.source in sources]
+    sources, chosen = _sample_source_records(args, records)
     caps = {s: c for s, c in sources.items() if c is not None}
     return [(k, balanced_mix(chosen, caps=caps, seed=k)) for k in range(first, first + n)]
 
