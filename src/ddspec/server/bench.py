@@ -136,10 +136,10 @@ def load_run(client: Client, method: str, concurrency: int, prompts: list[str], 
     tokens = sum(s.tokens for s in samples)
     lat = [s.latency_s for s in samples] or [float("nan")]
     return {"method": method, "concurrency": concurrency, "requests": len(samples), "errors": len(errors),
-            "wall_s": round(wall, 2), "requests_per_s": round(len(samples) / wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(statistics.median(lat), 2),
-            "p99_latency_s": round(percentile(lat, 0.99), 2),
-            "p50_ttft_s": round(statistics.median([s.ttft_s for s in samples] or [float("nan")]), 3),
+            "wall_s": round(wall, 3), "requests_per_s": round(len(samples) / wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(statistics.median(lat), 4),
+            "p99_latency_s": round(percentile(lat, 0.99), 4),
+            "p50_ttft_s": round(statistics.median([s.ttft_s for s in samples] or [float("nan")]), 4),
             "tau": round(statistics.mean([s.tau for s in samples] or [float("nan")]), 3),
             "first_error": errors[0] if errors else ""}
 
@@ -159,7 +159,7 @@ def reuse_run(client: Client, method: str, turns: tuple[str, str], max_tokens: i
         cold.append(client.chat(turn3, 1, method, prefix_reuse=False))
     w, c = statistics.median(s.ttft_s for s in warm), statistics.median(s.ttft_s for s in cold)
     return {"method": method, "history_tokens": warm[0].prompt_tokens, "reused_tokens": warm[0].reused_tokens,
-            "ttft_reuse_s": round(w, 3), "ttft_cold_s": round(c, 3), "ratio": round(w / c, 3),
+            "ttft_reuse_s": round(w, 4), "ttft_cold_s": round(c, 4), "ratio": round(w / c, 3),
             "prefill_reuse_ms": round(statistics.median(s.prefill_ms for s in warm), 1),
             "prefill_cold_ms": round(statistics.median(s.prefill_ms for s in cold), 1), "trials": trials}
 
@@ -169,7 +169,7 @@ def report(rows: list[dict], reuse: dict, header: str) -> str:
                          "p50 TTFT s | τ | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.2f} | {r['p99_latency_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | "
                      f"{r['p50_ttft_s']:.3f} | {r['tau']:.2f} | {r['errors']} |")
     if reuse:
         lines += ["", f"Third chat turn ({reuse['history_tokens']} prompt tokens, {reuse['reused_tokens']} kept by "
@@ -243,7 +243,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 rows.append(load_run(client, method, c, firsts, args.requests, args.max_tokens))
                 r = rows[-1]
                 print(f"[bench-serve] {method} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
-                      f"tokens/s, p50 {r['p50_latency_s']:.2f} s, p99 {r['p99_latency_s']:.2f} s, "
+                      f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
                       f"errors {r['errors']}", file=sys.stderr)
         reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials) \
             if args.reuse_trials else {}
