@@ -112,7 +112,7 @@ def test_reduced_draft_vocabulary_stays_lossless(tiny_targets):
     vocab = torch.arange(10, 74)  # a 64-token draft vocabulary
     head.register_buffer("d2t", vocab - torch.arange(64))
     head.eval().requires_grad_(False)
-    drafter = EagleDrafter(head, target, tree_config("eagle2", SMALL))
+    drafter = EagleDrafter(head, target, tree_config("eagle2@c0", SMALL))  # the head's vocabulary alone
     ref = plain(target, PROMPTS[0], 30).token_ids
     res = Engine(target, drafter).generate(PROMPTS[0], StopConfig(max_new_tokens=30, stop_on_eos=False))
     assert res.token_ids == ref

@@ -117,6 +117,10 @@ def add_tree_args(p: argparse.ArgumentParser):
                    help="greedy decoding: score draft-tree nodes with the head's log-probabilities at temperature T "
                         "(default: the value fitted for the head on held-out training data, recorded in its "
                         "config; 1 = the raw head). Changes which tokens are drafted, never the output")
+    g.add_argument("--context-vocab", type=int, default=d.context_vocab, metavar="N",
+                   help="a head with a reduced draft vocabulary that scores through the target's lm_head (the shipped "
+                        "head) also drafts up to N tokens of the prompt and answer that its vocabulary lacks: names "
+                        f"and terms the answer repeats (default {d.context_vocab}; 0 = off). Never changes the output")
     return g
 
 
@@ -132,7 +136,8 @@ def stop_from_args(args: argparse.Namespace) -> StopConfig:
 def tree_from_args(args: argparse.Namespace) -> TreeConfig:
     return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens,
                       ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
-                      max_depth=args.max_depth, draft_temperature=getattr(args, "draft_temperature", None))
+                      max_depth=args.max_depth, draft_temperature=getattr(args, "draft_temperature", None),
+                      context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab))
 
 
 def setup_torch(args: argparse.Namespace) -> None:

@@ -88,6 +88,9 @@ class TreeConfig:
     # greedy decoding scores tree nodes with log_softmax(draft logits / T): None = the head's fitted
     # value (its config's ddspec.draft_temperature, 1 when absent); sampling always uses T = 1
     draft_temperature: float | None = None
+    # a head drafting over a reduced vocabulary through the target's lm_head also drafts up to this
+    # many tokens of the context that its vocabulary lacks (draft/context_vocab.py); 0 = off
+    context_vocab: int = 256
 
     def __post_init__(self) -> None:
         if self.shape not in TREE_SHAPES:
@@ -107,6 +110,9 @@ class TreeConfig:
         if self.depth_policy != "fixed" and self.shape != "dynamic":
             raise ConfigError(f"the {self.depth_policy} depth policy grows dynamic trees only; "
                               f"the {self.shape} shape has a fixed depth")
+        if isinstance(self.context_vocab, bool) or not isinstance(self.context_vocab, int) or self.context_vocab < 0:
+            raise ConfigError(f"context_vocab (--context-vocab) must be an integer >= 0 (0 = off), "
+                              f"got {self.context_vocab!r}")
         threshold = _check_number("ddd_threshold (--ddd-threshold)", self.ddd_threshold)
         if threshold > 0 or math.isinf(threshold):
             raise ConfigError(

@@ -14,7 +14,8 @@ A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_
 (any subset, in that order): ``eagle2@d3k4n8`` is a fixed-depth EAGLE-2 tree of depth 3,
 top_k 4 and 8 verified tokens, which is how ``ddspec tune`` names its best static setting and
 how ``ddspec bench`` runs it next to the others. A last ``t<T>`` sets the greedy draft
-temperature (``--draft-temperature``): ``eagle2@t1`` is EAGLE-2 on the raw head's scores.
+temperature (``--draft-temperature``): ``eagle2@t1`` is EAGLE-2 on the raw head's scores. A last
+``c<N>`` sets ``--context-vocab``: ``eagle2@c0`` drafts from the head's own vocabulary alone.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
 
 
 _SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
-                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?")
+                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?(?:c(?P<context_vocab>\d+))?")
 
 
 def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
@@ -52,7 +53,8 @@ def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
     m = _SIZED.fullmatch(sizes)
     if method == "vanilla" or not sizes or m is None:
         raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>"
-                          "t<draft temperature>, any of them in that order, e.g. eagle2@d3k4n8 or eagle2@t1")
+                          "t<draft temperature>c<context vocab>, any of them in that order, e.g. eagle2@d3k4n8, eagle2@t1 "
+                          "or eagle2@c0")
     return method, {k: float(v) if k == "draft_temperature" else int(v)
                     for k, v in m.groupdict().items() if v is not None}
 

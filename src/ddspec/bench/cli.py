@@ -86,6 +86,8 @@ def run_settings(args: argparse.Namespace) -> dict:
         settings["activations"] = args.activations
     if getattr(args, "draft_temperature", None) is not None:  # likewise
         settings["draft_temperature"] = args.draft_temperature
+    if getattr(args, "context_vocab", None) is not None:  # likewise
+        settings["context_vocab"] = args.context_vocab
     return settings
 
 

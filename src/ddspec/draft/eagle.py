@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ddspec.config import SamplingConfig, TreeConfig
+from ddspec.draft.context_vocab import ContextVocab
 from ddspec.draft.head import EagleHead
 from ddspec.draft.packed import DraftLMHead
 from ddspec.errors import ConfigError
@@ -104,6 +105,10 @@ class EagleDrafter:
         self.draft_weights: str = getattr(self.packed, "weights", "exact")
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
                                    self.draft_weights)  # [Vd, H]
+        # the context's tokens beside a reduced draft vocabulary, where the head's logits are the target's lm_head
+        self.context, self._seen = None, []
+        if self.draft_ids is not None and tree.context_vocab and getattr(head, "shares_target_lm_head", False):
+            self.context = ContextVocab(self.draft_ids, target.lm_head_weight_t().t(), tree.context_vocab)
         self.head_temperature = head_draft_temperature(head)  # fitted for greedy decoding; 1 when absent
         self.temperature = self.greedy_temperature  # until score_for() says otherwise
         self.static = StaticShape.from_paths(tree.static_paths or DEFAULT_STATIC_PATHS) if tree.shape == "static" else None
@@ -159,14 +164,31 @@ class EagleDrafter:
         return self.cfg.draft_temperature or self.head_temperature
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft log-probs over the draft vocabulary (the tree's scores): hidden [n, H] -> [n, Vd]."""
-        logits = self.lm_head(self.head.logits_input(hidden)).float()
+        """Draft log-probs over the draft vocabulary (the tree's scores): hidden [n, H] -> [n, Vd]
+        (Vd + E with E context tokens added, see context_vocab.py)."""
+        x = self.head.logits_input(hidden)
+        logits = self.lm_head(x).float()
+        if self.context is not None and self.context.size:
+            logits = torch.cat([logits, self.context.logits(x)], dim=-1)
         if self.temperature != 1.0:
             logits = logits * (1.0 / self.temperature)
         return torch.log_softmax(logits, dim=-1)
 
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """Target id of each draft id (None: the full vocabulary, draft id = target id)."""
+        return self.draft_ids if self.context is None else self.context.all_ids
+
     def to_target_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens if self.draft_ids is None else self.draft_ids[tokens]
+        ids = self.vocab_ids
+        return tokens if ids is None else ids[tokens]
+
+    def _see(self, tokens: torch.Tensor) -> None:
+        """Committed context tokens, position after position (the prompt, then each step's accepted
+        tokens and bonus)."""
+        if self.context is not None:
+            self.context.add(tokens)
+            self._seen.append(tokens)
 
     @torch.inference_mode()
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -195,6 +217,9 @@ class EagleDrafter:
             self.cache = self.head.new_cache(need)
         self.cache.truncate(0)
         self._committed = 0
+        if self.context is not None:
+            self.context.clear()
+            self._seen = []
         self._pending.clear()
         self._plain_step = False
         if self.lookup is not None:
@@ -205,6 +230,11 @@ class EagleDrafter:
         self.cache.reserve(max_length + self._max_draft_slots())
         self.cache.truncate(length)
         self._committed = length
+        if self.context is not None:  # the kept prefix's tokens alone: not those of the answer it dropped
+            kept = torch.cat(self._seen)[:length] if self._seen else torch.zeros(0, dtype=torch.long)
+            self.context.clear()
+            self._seen = []
+            self._see(kept)
         if self.lookup is not None:
             self.lookup.resume(max_length, length)
 
@@ -217,6 +247,7 @@ class EagleDrafter:
         if self.lookup is not None:
             self.lookup.prefill(prompt, target_out, root)
         nxt = torch.cat([prompt[1:].to(self.device), root.view(1).to(self.device)])
+        self._see(torch.cat([prompt[:1].to(self.device), nxt]))
         if self.cost_policy is not None:  # the head takes the prompt in when it first drafts: on a machine
             # where drafting does not pay, the policy keeps to plain steps and the head never runs
             self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), nxt))
@@ -230,6 +261,7 @@ class EagleDrafter:
             # the raw rows only: the head's input features are computed for all pending rows at once
             path = verdict.path
             nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
+            self._see(nxt)
             self._pending.append((TargetOutput(None, target_out.features[path],
                                                {i: h[path] for i, h in target_out.hidden_states.items()}), nxt))
             return
@@ -243,6 +275,7 @@ class EagleDrafter:
         self.cache.truncate(self.committed)
         path = verdict.path
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
+        self._see(nxt)
         self._commit_entries(self._committed_features(target_out, path), nxt)
 
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
@@ -340,9 +373,10 @@ class EagleDrafter:
         return policy.continue_after(level, frontier_scores)
 
     def _to_target_vocab(self, tree: DraftTree) -> DraftTree:
-        if self.draft_ids is None:
+        ids = self.vocab_ids
+        if ids is None:
             return tree
-        tokens = torch.cat([tree.tokens[:1], self.draft_ids[tree.tokens[1:]]])
+        tokens = torch.cat([tree.tokens[:1], ids[tree.tokens[1:]]])
         return DraftTree(tokens, tree.parents, tree.depths, tree.scores)
 
     def _propose_static(self, root: torch.Tensor, position: int) -> DraftTree:

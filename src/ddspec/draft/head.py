@@ -77,6 +77,9 @@ class HeadLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
+    # its logits are the target's lm_head of f̂, so any target token can be scored (context_vocab.py)
+    shares_target_lm_head = True
+
     def __init__(self, config: dict, *, own_embedding: bool = False, draft_vocab: int | None = None) -> None:
         super().__init__()
         self.config = dict(config)

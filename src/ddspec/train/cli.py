@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ddspec.config import TreeConfig
+
 STAGES = ("data", "layers", "merge", "fit", "calibrate", "eval", "export", "all")
 
 
@@ -134,6 +136,9 @@ def add_parser(sub) -> None:
                         "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
+    g.add_argument("--context-vocab", type=int, default=TreeConfig().context_vocab, metavar="N",
+                   help="eval: context tokens a reduced draft vocabulary may add, as `ddspec generate --context-vocab` "
+                        f"(default {TreeConfig().context_vocab}; 0 = the head's own vocabulary only)")
     g.add_argument("--against", default=None, metavar="HEAD",
                    help="eval: also run this head (a folder; 'shipped' = the model's shipped head) on the same "
                         "prompts, side by side: tau and draft ms of both in one run")

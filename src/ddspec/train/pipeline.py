@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddspec.config import TreeConfig
 from ddspec.errors import DdspecError
 from ddspec.fileio import write_json_atomic
 
@@ -478,7 +479,8 @@ def stage_eval(args, out: Path, target) -> None:
     with tqdm(total=total, desc="eval", unit="turn", file=sys.stderr, disable=None) as bar:
         for vname, h in variants.items():
             for name, prompts in sets.items():
-                r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name])
+                r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name],
+                                  tree=TreeConfig(context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab)))
                 results.setdefault(vname, {})[name] = r
                 # three places and the counts: a τ of 2.995 must not print as 3.00
                 log.info(f"{vname} {name} ({len(prompts)} prompts, {r['turns']} turns): tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
