@@ -86,3 +86,15 @@ def test_a_choice_timed_while_other_programs_load_the_cpu_is_not_cached(tmp_path
     assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.json"))
     choose_plan("busy", [[8, 4]], cpu, f32, measure)
     assert len(calls) == 2  # measured again
+
+
+def test_cpu_name_tells_cpu_families_apart():
+    """Kernel and cost caches are keyed by this name: a VM calls Zen 2 and Zen 5 hosts alike."""
+    from ddspec.machine import cpu_name_from_cpuinfo
+
+    block = "processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n\n"
+    zen5 = block.format(i=0, f=26, m=2) + block.format(i=1, f=26, m=2)
+    assert cpu_name_from_cpuinfo(zen5) == "AMD EPYC (family 26, model 2)"
+    assert cpu_name_from_cpuinfo(block.format(i=0, f=23, m=49)) == "AMD EPYC (family 23, model 49)"
+    assert cpu_name_from_cpuinfo("processor\t: 0\nmodel name\t: Some ARM\n") == "Some ARM"
+    assert cpu_name_from_cpuinfo("processor\t: 0\n") is None

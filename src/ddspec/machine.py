@@ -22,13 +22,29 @@ def cache_root() -> Path:
 
 
 def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers where the name alone is vague: a VM
+    may call both a Zen 2 and a Zen 5 host "AMD EPYC", and their fastest kernels differ (the
+    kernel and cost caches are keyed by this name)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        name = cpu_name_from_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        name = None
+    return name or platform.processor() or "unknown CPU"
+
+
+def cpu_name_from_cpuinfo(text: str) -> str | None:
+    """``model name (family F, model M)`` of the first processor in /proc/cpuinfo's text."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip() and fields:  # the first processor's block is enough
+            break
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "cpu family", "model"):
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name")
+    if name and "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def core_count() -> int:
