@@ -464,3 +464,35 @@ def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs
         for step, i in enumerate(path):
             out = target.forward(tokens[i:i + 1], torch.tensor([13 + step]))
         assert torch.equal(out.features[0], tree[node]), f"node {node} (path {path})"
+
+
+def test_vnni_kernels_give_the_same_bits_as_the_avx2_ones(tmp_path):
+    """Where the CPU has VNNI the 8-bit-activation kernels add their products with vpdpbusd; a build
+    without it (DDSPEC_VNNI=0, in a subprocess with its own cache) must give the same bits."""
+    import subprocess
+    import sys
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    if not native.vnni_flags():
+        pytest.skip("this CPU (or compiler) has no VNNI: both builds would be the same")
+    script = (
+        "import sys, numpy as np, torch\n"
+        f"sys.path.insert(0, {str(os.path.dirname(__file__))!r})\n"
+        "from test_native_kernels import gguf_blocks\n"
+        "from ddspec import native\n"
+        "assert native.available() and native.vnni_flags() == []\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(9, 96)\n"
+        "for kind in ('q4_1', 'q8_0'):\n"
+        "    w, _ = gguf_blocks(kind, np.random.default_rng(3).normal(0, 0.2, (40, 96)).astype(np.float32))\n"
+        "    torch.save(w.with_int8_activations()(x), sys.argv[1] + '/' + kind + '.pt')\n"
+    )
+    env = {**os.environ, "DDSPEC_VNNI": "0", "DDSPEC_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    torch.manual_seed(0)
+    x = torch.randn(9, 96)
+    for kind in ("q4_1", "q8_0"):
+        weight, _ = quantised(kind, 40, 96, seed=3)
+        assert torch.equal(weight.with_int8_activations()(x), torch.load(tmp_path / f"{kind}.pt"))

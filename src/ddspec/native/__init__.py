@@ -62,6 +62,45 @@ class _Layer(ctypes.Structure):
                 ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), ("extra", ctypes.c_int64)]
 
 
+_VNNI_OPTIONS = (("avx_vnni", ["-mavxvnni"]),  # VEX-encoded, 256-bit (Zen 5, Alder Lake, Sapphire Rapids)
+                 ("avx512_vnni", ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]))  # Ice Lake, Zen 4
+
+
+def vnni_flags() -> list[str]:
+    """The compiler flags that let the 8-bit-activation kernels use vpdpbusd (ddspec_kernels.c,
+    DD_VNNI): where this CPU has AVX-VNNI or AVX-512 VNNI and the compiler takes the flag; none
+    with ``DDSPEC_VNNI=0``. The results are the same bits either way (exact integer sums)."""
+    global _vnni
+    if _vnni is None:
+        _vnni = []
+        if os.environ.get("DDSPEC_VNNI", "1").strip() not in ("0", "off", "no", "false"):
+            have = _cpu_flags()
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            for flag, options in _VNNI_OPTIONS:
+                need = {flag} | ({"avx512vl"} if flag == "avx512_vnni" else set())
+                if need <= have and compiler and _compiles(compiler, options):
+                    _vnni = options
+                    break
+    return _vnni
+
+
+_vnni: list[str] | None = None
+
+
+def _compiles(compiler: str, options: list[str]) -> bool:
+    """Whether the compiler takes these flags (an old gcc may not know -mavxvnni)."""
+    try:
+        probe = subprocess.run([compiler, *options, "-x", "c", "-c", "-o", os.devnull, "-"], input="int x;\n",
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0
+
+
+def build_flags() -> list[str]:
+    return FLAGS + vnni_flags()
+
+
 def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -92,7 +131,7 @@ class _Build:
         self.procs = []
         atexit.register(self.abandon)
         for mask, obj in zip(PARTS, self.objects):
-            self.procs.append(subprocess.Popen([compiler, *FLAGS, f"-DDD_PARTS={mask}", "-c", str(SOURCE), "-o", obj],
+            self.procs.append(subprocess.Popen([compiler, *build_flags(), f"-DDD_PARTS={mask}", "-c", str(SOURCE), "-o", obj],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
 
     def wait(self) -> None:
@@ -171,7 +210,7 @@ def start_build() -> None:
 def build_id() -> str:
     """Names this source built with this compiler and flags (kernel choices are cached per build)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
-    recipe = " ".join([compiler, *FLAGS, "parts", *map(str, PARTS)])
+    recipe = " ".join([compiler, *build_flags(), "parts", *map(str, PARTS)])
     return hashlib.sha256(SOURCE.read_bytes() + recipe.encode()).hexdigest()[:16]
 
 

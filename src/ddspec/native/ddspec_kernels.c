@@ -445,6 +445,48 @@ QGEMM(DD_Q8_0, q8_0)
 
 
 #if DD_HAS(1) || DD_HAS(2)
+/* VNNI, where the build enables it (native/__init__.py adds -mavxvnni, or -mavx512vnni -mavx512vl,
+ * on CPUs that have them): vpdpbusd adds four products of an unsigned and a signed byte into each
+ * 32-bit lane, exactly the integers that vpmaddubsw (pairs to 16 bits, which cannot saturate
+ * here) and the widening vpmaddwd give, in one instruction instead of two or three. The sums,
+ * hence the results, are the same bits either way. */
+#if defined(__AVXVNNI__)
+#define DD_VNNI 1
+#define DD_DPBUSD(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DD_VNNI 1
+#define DD_DPBUSD(acc, u, x) _mm256_dpbusd_epi32(acc, u, x)
+#else
+#define DD_VNNI 0
+#endif
+
+/* Running sums of u (unsigned levels) times x (signed activations) over a block: 16-bit lanes of
+ * pair sums without VNNI (widened at the block's end by a8_widen), 32-bit lanes of quad sums with. */
+static inline __attribute__((always_inline)) __m256i a8_acc(__m256i s, __m256i u, __m256i x) {
+#if DD_VNNI
+    return DD_DPBUSD(s, u, x);
+#else
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+#endif
+}
+
+static inline __attribute__((always_inline)) __m256i a8_widen(__m256i s) {
+#if DD_VNNI
+    return s;
+#else
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* s + the quad sums of u times x, in 32-bit lanes (a Q8_0 block's pair sums may not be added in 16 bits). */
+static inline __attribute__((always_inline)) __m256i a8_acc32(__m256i s, __m256i u, __m256i x) {
+#if DD_VNNI
+    return DD_DPBUSD(s, u, x);
+#else
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
 /* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]. */
 static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
     const int64_t nb = in / 32;
@@ -474,11 +516,10 @@ static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, 
 static inline __attribute__((always_inline)) void a8_block_end(const uint8_t *blk, float dxv, float sxv,
                                                                __m256i s0, __m256i s1, float *t) {
     const float *dm = (const float *)blk;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256 sc = _mm256_set1_ps(dxv), sxb = _mm256_set1_ps(sxv);
     __m256 t0 = _mm256_load_ps(t), t1 = _mm256_load_ps(t + 8);
-    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones)), _mm256_mul_ps(_mm256_load_ps(dm), sc), t0);
-    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones)), _mm256_mul_ps(_mm256_load_ps(dm + 8), sc), t1);
+    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s0)), _mm256_mul_ps(_mm256_load_ps(dm), sc), t0);
+    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s1)), _mm256_mul_ps(_mm256_load_ps(dm + 8), sc), t1);
     _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_load_ps(dm + 16), sxb, t0));
     _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_load_ps(dm + 24), sxb, t1));
 }
@@ -560,8 +601,8 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
                     const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
-                    s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, xb));                  \
-                    s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, xb));                  \
+                    s0[r] = a8_acc(s0[r], lo, xb);                                                  \
+                    s1[r] = a8_acc(s1[r], hi, xb);                                                  \
                     /* keep each sum a running sum: unrolled, gcc would otherwise keep all 16R   \
                      * products live and add them as a tree, spilling most of them */           \
                     __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                         \
@@ -594,7 +635,6 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
                            const float *sx, float *y, int64_t ldy, int accumulate) {                \
         (void)sx; /* no minimum in Q8_0 */                                                          \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
-        const __m256i ones = _mm256_set1_epi16(1);                                                  \
         __m256 t0[R], t1[R];                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
         for (int64_t b = 0; b < nb; b++) {                                                          \
@@ -608,8 +648,8 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
                 const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);                   \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
                     const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
-                    s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones)); \
-                    s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones)); \
+                    s0[r] = a8_acc32(s0[r], a0, _mm256_sign_epi8(xb, w0));                          \
+                    s1[r] = a8_acc32(s1[r], a1, _mm256_sign_epi8(xb, w1));                          \
                     __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */           \
                 }                                                                                   \
             }                                                                                       \
