@@ -34,6 +34,7 @@ class ContextVocab:
     def clear(self) -> None:
         """Forget the context (a new generation)."""
         self.in_set = self.in_base.clone()  # base or added
+        self.seen: list[torch.Tensor] = []  # every context token taken in, position after position
         self.ids = self.base.new_zeros(0)  # [E] added target ids, oldest first
         self.weight = self.lm_head_oi.new_zeros(0, self.lm_head_oi.shape[1], dtype=torch.float32)  # [E, H]
         self.all_ids = self.base  # [Vd + E] target id of each draft id
@@ -45,6 +46,7 @@ class ContextVocab:
     def add(self, tokens: torch.Tensor) -> None:
         """Take in context tokens [n] (target ids); those outside the draft vocabulary join it."""
         tokens = tokens.view(-1).to(self.in_set.device)
+        self.seen.append(tokens)
         new = tokens[~self.in_set[tokens]]
         if new.numel() == 0:
             return
@@ -57,6 +59,12 @@ class ContextVocab:
             ids, rows = ids[-self.capacity:], rows[-self.capacity:]
         self.ids, self.weight = ids, rows.contiguous()
         self.all_ids = torch.cat([self.base, self.ids])
+
+    def keep(self, length: int) -> None:
+        """Keep the context's first ``length`` tokens only (a reused prefix: not the answer it dropped)."""
+        kept = torch.cat(self.seen)[:length] if self.seen else self.base.new_zeros(0)
+        self.clear()
+        self.add(kept)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The added tokens' logits: hidden [n, H] -> [n, E]."""

@@ -106,7 +106,7 @@ class EagleDrafter:
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
                                    self.draft_weights)  # [Vd, H]
         # the context's tokens beside a reduced draft vocabulary, where the head's logits are the target's lm_head
-        self.context, self._seen = None, []
+        self.context = None
         if self.draft_ids is not None and tree.context_vocab and getattr(head, "shares_target_lm_head", False):
             self.context = ContextVocab(self.draft_ids, target.lm_head_weight_t().t(), tree.context_vocab)
         self.head_temperature = head_draft_temperature(head)  # fitted for greedy decoding; 1 when absent
@@ -188,7 +188,6 @@ class EagleDrafter:
         tokens and bonus)."""
         if self.context is not None:
             self.context.add(tokens)
-            self._seen.append(tokens)
 
     @torch.inference_mode()
     def _run(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -219,7 +218,6 @@ class EagleDrafter:
         self._committed = 0
         if self.context is not None:
             self.context.clear()
-            self._seen = []
         self._pending.clear()
         self._plain_step = False
         if self.lookup is not None:
@@ -230,11 +228,8 @@ class EagleDrafter:
         self.cache.reserve(max_length + self._max_draft_slots())
         self.cache.truncate(length)
         self._committed = length
-        if self.context is not None:  # the kept prefix's tokens alone: not those of the answer it dropped
-            kept = torch.cat(self._seen)[:length] if self._seen else torch.zeros(0, dtype=torch.long)
-            self.context.clear()
-            self._seen = []
-            self._see(kept)
+        if self.context is not None:
+            self.context.keep(length)
         if self.lookup is not None:
             self.lookup.resume(max_length, length)
 

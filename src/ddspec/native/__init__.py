@@ -62,8 +62,10 @@ class _Layer(ctypes.Structure):
                 ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), ("extra", ctypes.c_int64)]
 
 
-_VNNI_OPTIONS = (("avx_vnni", ["-mavxvnni"]),  # VEX-encoded, 256-bit (Zen 5, Alder Lake, Sapphire Rapids)
-                 ("avx512_vnni", ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]))  # Ice Lake, Zen 4
+# (the CPU flags needed, the compiler flags): VEX-encoded 256-bit AVX-VNNI (Zen 5, Alder Lake, Sapphire
+# Rapids), else AVX-512 VNNI on 256-bit registers (Ice Lake, Zen 4)
+_VNNI_OPTIONS = (({"avx_vnni"}, ["-mavxvnni"]),
+                 ({"avx512_vnni", "avx512vl"}, ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]))
 
 
 def vnni_flags() -> list[str]:
@@ -76,8 +78,7 @@ def vnni_flags() -> list[str]:
         if os.environ.get("DDSPEC_VNNI", "1").strip() not in ("0", "off", "no", "false"):
             have = _cpu_flags()
             compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            for flag, options in _VNNI_OPTIONS:
-                need = {flag} | ({"avx512vl"} if flag == "avx512_vnni" else set())
+            for need, options in _VNNI_OPTIONS:
                 if need <= have and compiler and _compiles(compiler, options):
                     _vnni = options
                     break
