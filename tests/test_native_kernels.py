@@ -496,3 +496,43 @@ def test_vnni_kernels_give_the_same_bits_as_the_avx2_ones(tmp_path):
     for kind in ("q4_1", "q8_0"):
         weight, _ = quantised(kind, 40, 96, seed=3)
         assert torch.equal(weight.with_int8_activations()(x), torch.load(tmp_path / f"{kind}.pt"))
+
+
+@pytest.mark.skipif(not native.wide_available(), reason="these kernels were built without the AVX-512 passes")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
+    """Every groups-per-pass choice of the AVX-512 passes, at every tile size and at row counts
+    that split into several tiles, equals the 8-lane passes bit for bit (200 outputs: 13 groups,
+    so the last unit of 2, 3 or 4 groups is short; a bias on one of them)."""
+    weight, _ = quantised(kind, 200, 96, seed=5)
+    biased = weight.with_bias(torch.randn(200))
+    torch.manual_seed(1)
+    try:
+        for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
+            x = torch.randn(n, 96)
+            tiles = -(-n // native.WIDE_ROWS)
+            tile = -(-n // tiles)
+            for w in (weight, biased):
+                native.set_wide(kind, [0] * native.WIDE_ROWS)
+                reference = w(x)
+                for g in native.wide_options(tile)[1:]:
+                    native.set_wide(kind, [g if r == tile else 0 for r in range(1, native.WIDE_ROWS + 1)])
+                    assert torch.equal(w(x), reference), f"{n} rows, {g} groups per pass"
+    finally:
+        native.set_wide(kind, [1] * native.WIDE_ROWS)
+
+
+@pytest.mark.skipif(not native.wide_available(), reason="these kernels were built without the AVX-512 passes")
+def test_the_avx512_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    weights = {"q4_1": [quantised("q4_1", 64, 64, seed=2)[0]], "q8_0": [quantised("q8_0", 48, 64, seed=3)[0]]}
+    chosen = native.choose_wide(weights)
+    assert set(chosen) == {"q4_1", "q8_0"}
+    for groups in chosen.values():
+        assert len(groups) == native.WIDE_ROWS
+        assert all(g in native.wide_options(r) for r, g in enumerate(groups, 1))
+    cached = list((tmp_path / "kernels").glob("wide-*.json"))
+    if not cached:
+        pytest.skip("other programs used the CPU while timing: the choice was not cached")
+    monkeypatch.setattr(native, "measure_wide", lambda ws: pytest.fail("measured again"))
+    assert native.choose_wide(weights) == chosen

@@ -303,6 +303,7 @@ class NativeLlama:
         self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
         self.activations = activations
         compute = self._activation_blocks(activations)  # what the target multiplies with
+        self._choose_wide(compute)
         self.layer_plan, self.head_plan = plans or self._choose_plans(w, head, compute)
         self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
                        for i in range(self.arch.num_layers)]
@@ -329,6 +330,29 @@ class NativeLlama:
         from ddspec.models.gguf_blocks import native_weights, orders_path
 
         return native_weights(gguf, w, orders_path(Path(gguf)))
+
+    def _choose_wide(self, blocks: dict) -> None:
+        """Where the kernels have AVX-512 passes, which to run for each row count of the blocks'
+        kinds (measured once per machine on the first 8 layers' weights, stacked as the layers
+        multiply them, and on the lm_head; cached)."""
+        from ddspec import native
+
+        if not blocks or not native.wide_available():
+            return
+        parts = _native_parts(blocks, {"native"})
+        by_kind: dict[str, list] = {}
+        for i in range(min(8, self.arch.num_layers)):
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            for names in ([f"{attn}{p}_proj.weight" for p in "qkv"], [f"{attn}o_proj.weight"],
+                          [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"], [f"{mlp}down_proj.weight"]):
+                stacked = parts(names)
+                if stacked is not None:
+                    by_kind.setdefault(stacked.kind, []).append(stacked)
+        for name in ("lm_head.weight", "embed_tokens.weight"):
+            if name in blocks:
+                by_kind.setdefault(blocks[name].kind, []).append(blocks[name])
+                break
+        native.choose_wide(by_kind)
 
     def _activation_blocks(self, activations: str) -> dict:
         """The blocks the target multiplies with: ``self.blocks``, or for ``int8`` their kinds with

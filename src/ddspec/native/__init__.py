@@ -99,7 +99,29 @@ def _compiles(compiler: str, options: list[str]) -> bool:
 
 
 def build_flags() -> list[str]:
-    return FLAGS + vnni_flags()
+    return FLAGS + vnni_flags() + wide_flags()
+
+
+# AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE); the
+# rest of the code stays on 256-bit vectors (-mprefer-vector-width=256: no change to what gcc
+# vectorises by itself)
+_WIDE_OPTIONS = ({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"])
+_wide: list[str] | None = None
+
+
+def wide_flags() -> list[str]:
+    """The compiler flags for the AVX-512 passes: where this CPU has AVX-512F and the compiler takes
+    them; none with ``DDSPEC_AVX512=0``. The results are the same bits either way (each lane runs
+    the 8-lane passes' arithmetic)."""
+    global _wide
+    if _wide is None:
+        _wide = []
+        if os.environ.get("DDSPEC_AVX512", "1").strip() not in ("0", "off", "no", "false"):
+            need, options = _WIDE_OPTIONS
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if need <= _cpu_flags() and compiler and _compiles(compiler, options):
+                _wide = options
+    return _wide
 
 
 def _cpu_flags() -> set[str]:
@@ -248,6 +270,10 @@ def library() -> ctypes.CDLL | None:
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64
+    lib.dd_wide.argtypes = []
+    lib.dd_wide.restype = ctypes.c_int
+    lib.dd_set_wide_groups.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.dd_set_wide_groups.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
     _lib = lib
@@ -510,3 +536,93 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")
+
+
+# -- the AVX-512 passes: which groups per pass, chosen by measurement ---------------------------
+WIDE_ROWS = 8  # the tile sizes dd_wide_groups covers (more rows run in balanced tiles of at most 8)
+WIDE_KINDS = {"q4_1": 0, "q8_0": 1}
+
+
+def wide_available() -> bool:
+    """Whether the kernels were built with the AVX-512 passes (a CPU with AVX-512F, DDSPEC_AVX512 unset)."""
+    lib = library()
+    return lib is not None and bool(lib.dd_wide())
+
+
+def wide_options(rows: int) -> tuple[int, ...]:
+    """The groups per pass a tile of ``rows`` rows can take: 0 (the 8-lane passes), 1, 2, 3 (up to 4
+    rows), 4 (up to 2 rows)."""
+    return tuple(g for g, most in ((0, WIDE_ROWS), (1, WIDE_ROWS), (2, WIDE_ROWS), (3, 4), (4, 2)) if rows <= most)
+
+
+def set_wide(kind: str, groups: list[int]) -> None:
+    """Use ``groups[r - 1]`` groups per pass for tiles of r rows of ``kind`` (q4_1 / q8_0 with fp32
+    activations; 0 = the 8-lane passes)."""
+    lib = library()
+    for rows, g in enumerate(groups, 1):
+        if lib is None or lib.dd_set_wide_groups(WIDE_KINDS[kind], rows, int(g)):
+            raise ValueError(f"no kernel pass for {rows} rows of {kind} in {g} groups")
+
+
+def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
+    """For each tile size 1..WIDE_ROWS, the groups per pass (of :func:`wide_options`) that multiply
+    the rows by all of ``weights`` (one kind) fastest here: interleaved rounds, rotated order,
+    median of ``reps`` after a warm-up round. Leaves that choice set."""
+    import statistics
+
+    kind = weights[0].kind
+    chosen = []
+    for rows in range(1, WIDE_ROWS + 1):
+        xs = [torch.randn(rows, w.in_features) for w in weights]
+        options = wide_options(rows)
+        times: dict[int, list[float]] = {g: [] for g in options}
+        for r in range(reps + 1):
+            order = options[r % len(options):] + options[:r % len(options)]
+            for g in order:
+                library().dd_set_wide_groups(WIDE_KINDS[kind], rows, g)
+                t0 = time.perf_counter()
+                for w, x in zip(weights, xs):
+                    w(x)
+                if r:
+                    times[g].append(time.perf_counter() - t0)
+        best = min(options, key=lambda g: statistics.median(times[g]))
+        library().dd_set_wide_groups(WIDE_KINDS[kind], rows, best)
+        chosen.append(best)
+    return chosen
+
+
+def choose_wide(weights: dict[str, list[NativeWeight]]) -> dict[str, list[int]]:
+    """Set the AVX-512 passes' groups per pass for each kind in ``weights`` ({kind: a model's weights
+    of that kind}): the cached choice for this CPU, kernel build, thread count and shapes, else
+    measured now (about a second, once) and cached unless other programs took the CPU meanwhile.
+    Without the AVX-512 passes, nothing (every choice is 0). The results are the same bits
+    whatever the choice; only the time differs."""
+    import json
+
+    from ddspec.fileio import write_json_atomic
+    from ddspec.machine import OtherLoad, cache_root, cpu_name
+
+    weights = {k: v for k, v in weights.items() if k in WIDE_KINDS and v}
+    if not weights or not wide_available():
+        return {}
+    key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
+           "shapes": {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items()}}
+    path = cache_root() / "kernels" / ("wide-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            for kind, groups in data["groups"].items():
+                set_wide(kind, groups)
+            return data["groups"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, stale or unreadable: measure
+    print("ddspec: timing the AVX-512 kernel passes on this CPU (once, cached)", file=sys.stderr)
+    others = OtherLoad()
+    chosen = {kind: measure_wide(ws) for kind, ws in weights.items()}
+    if others.too_busy() is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"key": key, "groups": chosen, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+        except OSError:
+            pass  # measured again next time
+    return chosen

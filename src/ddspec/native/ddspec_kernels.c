@@ -81,6 +81,7 @@ typedef struct {
 #else
 #define DD_SHARED static
 #endif
+#define DD_HIDDEN __attribute__((visibility("hidden")))
 DD_SHARED void qgemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void qgemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
@@ -394,13 +395,141 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
         }                                                                                           \
     }
 
+/* AVX-512 (where the build enables it: native/__init__.py adds -mavx512f on CPUs that have it):
+ * the quantised kinds with fp32 activations, one 16-lane register per group of 16 outputs.
+ * Each lane runs exactly the arithmetic of the 8-lane passes above (the same FMAs, in the same
+ * order of k, the same block ends), so the results are the same bits; what changes is the work
+ * around them: one conversion of a group's levels and one broadcast of x per 16 products instead
+ * of per 8, so several rows share the 8 bytes of levels at half the instructions. A pass runs
+ * R rows against G consecutive groups (R * G independent FMA chains). dd_wide_groups says, per
+ * kind and tile size, which G (0: the 8-lane passes); Python sets it from measurements on the
+ * machine at hand (native/__init__.py, choose_wide), since the best G differs between CPUs. */
+#if defined(__AVX512F__)
+#define DD_WIDE 1
+#else
+#define DD_WIDE 0
+#endif
+#ifndef WIDE_TILE
+#define WIDE_TILE 8 /* rows per pass: 8 rows x 2 groups = 16 chains, 2 level registers, 1 broadcast
+                      * (tiles of 10 or 12 rows measured slower: gcc spills some of their 20-24 sums) */
+#endif
+/* groups per pass by kind (0: Q4_1, 1: Q8_0) and rows in the largest tile (1 .. WIDE_TILE); 0: the 8-lane passes */
+extern DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE];
+
+#if DD_WIDE && (DD_HAS(1) || DD_HAS(2))
+static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const uint8_t *blk, int64_t kk) {
+    if (kind == DD_Q4_1) { /* bytes 0-7: outputs 0-7 (low nibbles), then 8-15 (high nibbles) */
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 128 + kk * 8));
+        const __m128i q = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16))));
+}
+
+static inline void store_group16(const dd_weight *W, int64_t g, const float *v, float *y, int accumulate) {
+    const int64_t o0 = g * 16, n = W->out - o0 < 16 ? W->out - o0 : 16;
+    for (int64_t j = 0; j < n; j++) {
+        const float s = v[j] + (W->bias ? W->bias[o0 + j] : 0.0f);
+        if (accumulate) y[o0 + j] += s; else y[o0 + j] = s;
+    }
+}
+
+/* G for n rows of a kind (the entry of their largest tile), 0 for the 8-lane passes */
+static inline int64_t wide_groups(int64_t kind, int64_t n) {
+    const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
+    return dd_wide_groups[kind == DD_Q4_1 ? 0 : 1][(n + tiles - 1) / tiles - 1];
+}
+
+typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t ldx, const float *sx,
+                          float *y, int64_t ldy, int accumulate);
+
+/* Rows [0, R) against groups [g, g + G): per block, R * G running sums in registers, the scaled
+ * totals in memory (t (+)= d * s (+ m * sx): block_end's FMAs, lane by lane). */
+#define WPASS(KIND_ID, KIND, R, G)                                                                  \
+    static void wpass_##KIND##_##R##_##G(const dd_weight *W, int64_t g, const float *x, int64_t ldx, \
+                                         const float *sx, float *y, int64_t ldy, int accumulate) {  \
+        const int64_t nb = W->in / 32, next = nb * BLOCK_BYTES(KIND_ID);                            \
+        float tot[R * G * 16] __attribute__((aligned(64)));                                         \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
+            __m512 s[R * G];                                                                        \
+            _Pragma("GCC unroll 16") for (int j = 0; j < R * G; j++) s[j] = _mm512_setzero_ps();    \
+            for (int64_t kk = 0; kk < 32; kk++) {                                                   \
+                __m512 q[G];                                                                        \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) q[j] = levels16(KIND_ID, blk + j * next, kk); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m512 xv = _mm512_set1_ps(x[r * ldx + b * 32 + kk]);                      \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                             \
+                        s[r * G + j] = _mm512_fmadd_ps(xv, q[j], s[r * G + j]);                      \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                               \
+                    const float *d = (const float *)(blk + j * next);                               \
+                    float *t = tot + (r * G + j) * 16;                                              \
+                    __m512 tv = _mm512_fmadd_ps(_mm512_loadu_ps(d), s[r * G + j], _mm512_load_ps(t)); \
+                    if (KIND_ID == DD_Q4_1) tv = _mm512_fmadd_ps(_mm512_loadu_ps(d + 16), _mm512_set1_ps(sx[r * nb + b]), tv); \
+                    _mm512_store_ps(t, tv);                                                         \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int j = 0; j < G; j++) store_group16(W, g + j, tot + (r * G + j) * 16, y + r * ldy, accumulate); \
+    }
+
+#define WPASSES(KIND_ID, KIND)                                                                      \
+    WPASS(KIND_ID, KIND, 1, 1) WPASS(KIND_ID, KIND, 2, 1) WPASS(KIND_ID, KIND, 3, 1) WPASS(KIND_ID, KIND, 4, 1) \
+    WPASS(KIND_ID, KIND, 5, 1) WPASS(KIND_ID, KIND, 6, 1) WPASS(KIND_ID, KIND, 7, 1) WPASS(KIND_ID, KIND, 8, 1) \
+    WPASS(KIND_ID, KIND, 1, 2) WPASS(KIND_ID, KIND, 2, 2) WPASS(KIND_ID, KIND, 3, 2) WPASS(KIND_ID, KIND, 4, 2) \
+    WPASS(KIND_ID, KIND, 5, 2) WPASS(KIND_ID, KIND, 6, 2) WPASS(KIND_ID, KIND, 7, 2) WPASS(KIND_ID, KIND, 8, 2) \
+    WPASS(KIND_ID, KIND, 1, 3) WPASS(KIND_ID, KIND, 2, 3) WPASS(KIND_ID, KIND, 3, 3) WPASS(KIND_ID, KIND, 4, 3) \
+    WPASS(KIND_ID, KIND, 1, 4) WPASS(KIND_ID, KIND, 2, 4)                                           \
+    static const wide_pass wide_##KIND[4][WIDE_TILE] = {                                            \
+        {wpass_##KIND##_1_1, wpass_##KIND##_2_1, wpass_##KIND##_3_1, wpass_##KIND##_4_1,            \
+         wpass_##KIND##_5_1, wpass_##KIND##_6_1, wpass_##KIND##_7_1, wpass_##KIND##_8_1},           \
+        {wpass_##KIND##_1_2, wpass_##KIND##_2_2, wpass_##KIND##_3_2, wpass_##KIND##_4_2,            \
+         wpass_##KIND##_5_2, wpass_##KIND##_6_2, wpass_##KIND##_7_2, wpass_##KIND##_8_2},           \
+        {wpass_##KIND##_1_3, wpass_##KIND##_2_3, wpass_##KIND##_3_3, wpass_##KIND##_4_3},           \
+        {wpass_##KIND##_1_4, wpass_##KIND##_2_4}};                                                  \
+    /* all n rows, groups shared G at a time among the threads (G = 3 for tiles of at most 3     \
+     * rows, else 2: at least 8 chains where the rows allow), each unit against balanced tiles  \
+     * of at most WIDE_TILE rows */                                                             \
+    static void wide_gemm_##KIND(const dd_weight *W, const float *x, int64_t n, const float *sx,   \
+                                 float *y, int64_t ldy, int acc) {                                  \
+        const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, ldx = W->in;                    \
+        const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;                                      \
+        const int64_t G = wide_groups(KIND_ID, n), units = (groups + G - 1) / G;                    \
+_Pragma("omp for schedule(static)")                                                                 \
+        for (int64_t u = 0; u < units; u++) {                                                       \
+            const int64_t g = u * G, ng = groups - g < G ? groups - g : G;                          \
+            for (int64_t t = 0, r = 0; t < tiles; t++) {                                            \
+                const int64_t rows = n / tiles + (t < n % tiles);                                   \
+                wide_##KIND[ng - 1][rows - 1](W, g, x + r * ldx, ldx, sx + r * nb, y + r * ldy, ldy, acc); \
+                r += rows;                                                                          \
+            }                                                                                       \
+        }                                                                                           \
+    }
+#define WIDE_CALL(KIND_ID, KIND)                                                                      \
+    if (wide_groups(KIND_ID, n)) {                                                                  \
+        wide_gemm_##KIND(W, x, n, sx, y, ldy, acc);                                                 \
+        free(sx);                                                                                   \
+        return;                                                                                     \
+    }
+#else
+#define WPASSES(KIND_ID, KIND)
+#define WIDE_CALL(KIND_ID, KIND)
+#endif
+
 /* Quantised y (+)= x @ W^T inside a parallel region (see gemm_shared), one function per kind. */
 #define QGEMM(KIND_ID, KIND)                                                                        \
+WPASSES(KIND_ID, KIND)                                                                              \
 DD_SHARED void qgemm_shared_##KIND(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) { \
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32;                                     \
     const int q4 = KIND_ID == DD_Q4_1;                                                              \
     float *sx = malloc(sizeof(float) * (size_t)(n * nb + 1)); /* each thread its own copy: no sharing */ \
     if (q4) block_sums(x, n, W->in, sx);                                                            \
+    WIDE_CALL(KIND_ID, KIND)                                                                               \
     if (n == 1) { /* three groups per pass: six FMA chains hide the FMA latency */                  \
         const int64_t triples = (groups + 2) / 3;                                                   \
 _Pragma("omp for schedule(static)")                                                                 \
@@ -1046,6 +1175,31 @@ static void attention_rows(const float *qkv, int64_t wqkv, int64_t n, int64_t nh
 
 /* Which attention runs: 0 = by size (see layer_forward_buf), 1 = attention_rows, 2 = attention_shared. */
 static int attention_mode = 0;
+
+/* measured (AMD EPYC family 26, the default model's layers and lm_head, interleaved medians): Q4_1
+ * three groups up to 4 rows, then two; Q8_0 (the lm_head: 49,152 outputs, one stream of memory
+ * per group) one group up to 5 rows, then two */
+#if DD_WIDE
+DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1, 1, 1, 1, 2, 2, 2}};
+#else
+DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE];
+#endif
+
+/* Groups per pass for tiles of `rows` rows of kind 0 (Q4_1) or 1 (Q8_0): 0 (the 8-lane passes), 1,
+ * 2, 3 (rows <= 4) or 4 (rows <= 2); returns nonzero for a combination without a pass, or when
+ * this build has no AVX-512 passes (then only 0 is taken). */
+int dd_set_wide_groups(int kind, int rows, int groups) {
+    static const int most[5] = {WIDE_TILE, WIDE_TILE, WIDE_TILE, 4, 2};
+    if (kind < 0 || kind > 1 || rows < 1 || rows > WIDE_TILE || groups < 0 || groups > 4 || rows > most[groups]) return 1;
+    if (groups && !DD_WIDE) return 1;
+    dd_wide_groups[kind][rows - 1] = (int8_t)groups;
+    return 0;
+}
+
+/* Whether this build has the AVX-512 passes (DD_WIDE). */
+int dd_wide(void) {
+    return DD_WIDE;
+}
 
 int dd_set_attention(int mode) {
     if (mode < 0 || mode > 2) return 1;
