@@ -536,3 +536,12 @@ def test_the_avx512_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
         pytest.skip("other programs used the CPU while timing: the choice was not cached")
     monkeypatch.setattr(native, "measure_wide", lambda ws: pytest.fail("measured again"))
     assert native.choose_wide(weights) == chosen
+
+
+def test_bench_reports_name_the_kernels_that_ran():
+    from ddspec.bench.report import machine_info
+
+    line = machine_info(1, "cpu")["native kernels"]
+    assert line.startswith("AVX2/FMA") and native.build_id() in line
+    assert ("AVX-512 passes" in line) == native.wide_available()
+    assert ("VNNI" in line) == bool(native.vnni_flags())

@@ -57,6 +57,10 @@ def cost_key(target, head, top_k: int, draft_weights: str) -> dict:
         key["activations"] = target.activations
     if draft_weights != "q8_0":  # the head's matmuls on other kernels, other draft costs (keys made before
         key["draft_weights"] = draft_weights  # this field existed were all q8_0's, and stay valid)
+    from ddspec import native
+
+    if native.available():  # other kernels (a new ddspec, other compiler flags), other costs: measure again
+        key["kernels"] = native.build_id()
     return key
 
 

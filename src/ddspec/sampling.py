@@ -45,10 +45,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return idx.reshape(probs.shape[:-1])
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...] int64, the first index of each row's maximum (as torch.argmax).
+
+    On a CPU, fp32: numpy's argmax, a tenth of torch's time over a 49k vocabulary (5 vs 61 us a
+    row on our 2-core AMD EPYC), and every greedy step takes one per verified node."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() >= 1 and logits.shape[-1]:
+        return torch.as_tensor(logits.detach().contiguous().numpy().argmax(axis=-1), dtype=torch.int64)
+    return logits.argmax(dim=-1)
+
+
 def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy argmax or a sample, for logits [..., V] -> [...] int64."""
     if cfg.greedy:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     return sample(target_probs(logits, cfg), generator)
 
 

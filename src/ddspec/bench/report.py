@@ -288,7 +288,26 @@ def machine_info(threads: int, device: str) -> dict[str, str | int]:
                                   "python": platform.python_version(), "device": device}
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    if device == "cpu":
+        info["native kernels"] = native_kernels_line()
     return info
+
+
+def native_kernels_line() -> str:
+    """Which C kernel builds ran (the CPU features they use, measured choices included)."""
+    from ddspec import native
+
+    if not native.available():
+        return f"none ({native.unavailable_reason()})"
+    flags = native.build_flags()
+    parts = ["AVX2/FMA"]
+    if any(f in flags for f in ("-mavxvnni", "-mavx512vnni")):
+        parts.append("VNNI")
+    wide = native.wide_choice()
+    if wide:
+        parts.append("AVX-512 passes (groups per pass by rows 1-8: " + "; ".join(
+            f"{kind} {','.join(map(str, groups))}" for kind, groups in wide.items()) + ", 0 = 8-lane)")
+    return ", ".join(parts) + f"; build {native.build_id()}"
 
 
 def write_summary(out: Path, records: list[Record], meta: dict, greedy: bool,

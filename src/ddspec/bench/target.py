@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ddspec.bench.report import native_kernels_line
 from ddspec.machine import core_count, cpu_name
 from ddspec.config import StopConfig
 from ddspec.engine import Engine
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"native {ratio(fwd_native)}" + (f"; int8 activations {ratio(fwd['int8'])}" if int8 is not None else "")
         + "; "
-        f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}",
+        f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}; "
+        f"C kernels: {native_kernels_line()}",
         *compute_floor_lines(native, fwd.get("int8", {}), peak),
         "",
         "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "

@@ -2,7 +2,9 @@
 
 :func:`library` returns the loaded library, or None when it cannot be had here (not x86-64
 with AVX2/FMA/F16C, no C compiler, ``DDSPEC_NATIVE=0``); callers then use torch's kernels, so
-nothing depends on it. The build (plain C, no torch headers, -O3; three parts compiled in
+nothing depends on it. Where the CPU has them, the build adds VNNI (:func:`vnni_flags`) and
+AVX-512 (:func:`wide_flags`; which AVX-512 passes run is measured per machine, :func:`choose_wide`):
+the same results, other instructions. The build (plain C, no torch headers, -O3; three parts compiled in
 parallel and linked: about 15 s on two cores, 20 s of one core as a single unit) is
 cached per source, compiler and flags in ``<cache root>/native/``, and :func:`start_build`
 runs it in the background while a model loads; it links the OpenMP runtime
@@ -274,6 +276,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_wide.restype = ctypes.c_int
     lib.dd_set_wide_groups.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.dd_set_wide_groups.restype = ctypes.c_int
+    lib.dd_get_wide_groups.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.dd_get_wide_groups.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
     _lib = lib
@@ -562,6 +566,14 @@ def set_wide(kind: str, groups: list[int]) -> None:
     for rows, g in enumerate(groups, 1):
         if lib is None or lib.dd_set_wide_groups(WIDE_KINDS[kind], rows, int(g)):
             raise ValueError(f"no kernel pass for {rows} rows of {kind} in {g} groups")
+
+
+def wide_choice() -> dict[str, list[int]]:
+    """The groups per pass in use for tiles of 1..WIDE_ROWS rows of each kind ({} without the AVX-512 passes)."""
+    if not wide_available():
+        return {}
+    return {kind: [library().dd_get_wide_groups(i, rows) for rows in range(1, WIDE_ROWS + 1)]
+            for kind, i in WIDE_KINDS.items()}
 
 
 def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:

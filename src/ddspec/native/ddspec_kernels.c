@@ -19,7 +19,9 @@
  * bit for bit, its token decoded alone after its ancestors.
  *
  * Built on first use by ddspec/native/__init__.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp
- * -ffp-contract=off) and called through ctypes; nothing here allocates memory the caller sees.
+ * -ffp-contract=off, plus -mavxvnni / -mavx512f where the CPU has them: see DD_VNNI and DD_WIDE,
+ * which change the instructions, never the results) and called through ctypes; nothing here
+ * allocates memory the caller sees.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -1194,6 +1196,12 @@ int dd_set_wide_groups(int kind, int rows, int groups) {
     if (groups && !DD_WIDE) return 1;
     dd_wide_groups[kind][rows - 1] = (int8_t)groups;
     return 0;
+}
+
+/* The groups per pass set for tiles of `rows` rows of kind 0 / 1 (-1 for rows out of range). */
+int dd_get_wide_groups(int kind, int rows) {
+    if (kind < 0 || kind > 1 || rows < 1 || rows > WIDE_TILE) return -1;
+    return dd_wide_groups[kind][rows - 1];
 }
 
 /* Whether this build has the AVX-512 passes (DD_WIDE). */

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddspec.sampling import argmax
 from ddspec.tree.tree import DraftTree
 
 
@@ -41,7 +42,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     Node i matches when its token is the argmax at its parent; it is accepted when it and
     all its non-root ancestors match. The deepest accepted node ends the path. One host sync.
     """
-    target = logits.argmax(dim=-1)  # [N] the target's own next token after each node
+    target = argmax(logits)  # [N] the target's own next token after each node
     if target.device.type == "cpu":  # small trees on a CPU: one walk over host lists beats a dozen tensor ops
         return _walk(tree, target)
     return _vectorised(tree, target)
