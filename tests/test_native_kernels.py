@@ -545,3 +545,24 @@ def test_bench_reports_name_the_kernels_that_ran():
     assert line.startswith("AVX2/FMA") and native.build_id() in line
     assert ("AVX-512 passes" in line) == native.wide_available()
     assert ("VNNI" in line) == bool(native.vnni_flags())
+
+
+def test_compiler_probes_are_cached(tmp_path, monkeypatch):
+    """A CPU-flag probe runs the compiler once per compiler and flags; later processes read the answer."""
+    import shutil
+    import subprocess
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    assert native._compiles(compiler, ["-O2"]) is True
+    assert native._compiles(compiler, ["-mno-such-flag-here"]) is False
+    assert (tmp_path / "native" / "probes.json").is_file()
+
+    def no_compiler(*a, **k):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native._compiles(compiler, ["-O2"]) is True
+    assert native._compiles(compiler, ["-mno-such-flag-here"]) is False

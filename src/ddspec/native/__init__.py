@@ -91,13 +91,42 @@ _vnni: list[str] | None = None
 
 
 def _compiles(compiler: str, options: list[str]) -> bool:
-    """Whether the compiler takes these flags (an old gcc may not know -mavxvnni)."""
+    """Whether the compiler takes these flags (an old gcc may not know -mavxvnni). Each answer is
+    cached per compiler (its path, size and time) in ``<cache root>/native/probes.json``: a probe
+    runs the compiler once (about 17 ms), and every process that loads the kernels asks."""
+    import json
+
+    from ddspec.machine import cache_root
+
+    try:
+        st = os.stat(shutil.which(compiler) or compiler)
+        who = f"{compiler}:{st.st_size}:{int(st.st_mtime)}"
+    except OSError:
+        who = compiler
+    key = f"{who} {' '.join(options)}"
+    path = cache_root() / "native" / "probes.json"
+    try:
+        known = json.loads(path.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), bool):
+        return known[key]
     try:
         probe = subprocess.run([compiler, *options, "-x", "c", "-c", "-o", os.devnull, "-"], input="int x;\n",
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, timeout=30)
+        ok = probe.returncode == 0
     except (OSError, subprocess.SubprocessError):
-        return False
-    return probe.returncode == 0
+        return False  # not cached: may work next time
+    try:
+        from ddspec.fileio import write_json_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**known, key: ok})
+    except OSError:
+        pass
+    return ok
 
 
 def build_flags() -> list[str]:
