@@ -494,9 +494,9 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
          wpass_##KIND##_5_2, wpass_##KIND##_6_2, wpass_##KIND##_7_2, wpass_##KIND##_8_2},           \
         {wpass_##KIND##_1_3, wpass_##KIND##_2_3, wpass_##KIND##_3_3, wpass_##KIND##_4_3},           \
         {wpass_##KIND##_1_4, wpass_##KIND##_2_4}};                                                  \
-    /* all n rows, groups shared G at a time among the threads (G = 3 for tiles of at most 3     \
-     * rows, else 2: at least 8 chains where the rows allow), each unit against balanced tiles  \
-     * of at most WIDE_TILE rows */                                                             \
+    /* all n rows, groups shared G at a time among the threads (G from dd_wide_groups for the  \
+     * largest tile), each unit of G groups against balanced tiles of at most WIDE_TILE rows    \
+     * (a short last unit takes a pass of fewer groups) */                                      \
     static void wide_gemm_##KIND(const dd_weight *W, const float *x, int64_t n, const float *sx,   \
                                  float *y, int64_t ldy, int acc) {                                  \
         const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, ldx = W->in;                    \
@@ -1178,9 +1178,10 @@ static void attention_rows(const float *qkv, int64_t wqkv, int64_t n, int64_t nh
 /* Which attention runs: 0 = by size (see layer_forward_buf), 1 = attention_rows, 2 = attention_shared. */
 static int attention_mode = 0;
 
-/* measured (AMD EPYC family 26, the default model's layers and lm_head, interleaved medians): Q4_1
- * three groups up to 4 rows, then two; Q8_0 (the lm_head: 49,152 outputs, one stream of memory
- * per group) one group up to 5 rows, then two */
+/* until Python sets the measured choice (native.choose_wide): a first sweep on AMD EPYC family 26
+ * (the default model's layers and lm_head, interleaved medians) found Q4_1 best with three groups
+ * up to 4 rows, then two, and Q8_0 (the lm_head: 49,152 outputs, one stream of memory per group)
+ * with one group up to 5 rows, then two; the differences between G were within 10% */
 #if DD_WIDE
 DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1, 1, 1, 1, 2, 2, 2}};
 #else
