@@ -299,9 +299,8 @@ def native_kernels_line() -> str:
 
     if not native.available():
         return f"none ({native.unavailable_reason()})"
-    flags = native.build_flags()
     parts = ["AVX2/FMA"]
-    if any(f in flags for f in ("-mavxvnni", "-mavx512vnni")):
+    if native.vnni_flags():
         parts.append("VNNI")
     wide = native.wide_choice()
     if wide:

@@ -95,21 +95,18 @@ class LlamaLayer:
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, plan: KernelPlan,
                  kernels: set[str] | None = None, blocks: dict | None = None) -> None:
-        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        attn = f"{prefix}self_attn."
         kernels = plan.needed if kernels is None else kernels
         self.plan = plan
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
-        qkv_names = [f"{attn}{p}_proj.weight" for p in "qkv"]
-        gate_up_names = [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]
         native = _native_parts(blocks, kernels)
-        self.qkv = Weight(torch.cat([w[n] for n in qkv_names]), kernels, native(qkv_names))
+        self.qkv, self.o, self.gate_up, self.down = (  # stacked where several (no copy of a single one)
+            Weight(w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names]), kernels, native(names))
+            for names in stacked_names(prefix))
         self.qkv_bias = (
             torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
         )
-        self.o = Weight(w[f"{attn}o_proj.weight"], kernels, native([f"{attn}o_proj.weight"]))
-        self.gate_up = Weight(torch.cat([w[n] for n in gate_up_names]), kernels, native(gate_up_names))
-        self.down = Weight(w[f"{mlp}down_proj.weight"], kernels, native([f"{mlp}down_proj.weight"]))
         self.fused = None
         if "native" in kernels:
             from ddspec import native as native_lib
@@ -121,6 +118,13 @@ class LlamaLayer:
     @property
     def weights(self) -> list[Weight]:
         return [self.qkv, self.o, self.gate_up, self.down]
+
+
+def stacked_names(prefix: str) -> list[list[str]]:
+    """The weights a layer multiplies as one matrix each: q|k|v, o, gate|up, down."""
+    attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+    return [[f"{attn}{p}_proj.weight" for p in "qkv"], [f"{attn}o_proj.weight"],
+            [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"], [f"{mlp}down_proj.weight"]]
 
 
 def _native_parts(blocks: dict | None, kernels: set[str]):
@@ -303,11 +307,11 @@ class NativeLlama:
         self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
         self.activations = activations
         compute = self._activation_blocks(activations)  # what the target multiplies with
-        self._choose_wide(compute)
-        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head, compute)
+        head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
+        self._choose_wide(compute, head_name)
+        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head, compute.get(head_name), compute)
         self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
                        for i in range(self.arch.num_layers)]
-        head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
         self.lm_head_w = Weight(head, self.head_plan.needed, compute.get(head_name))
         # the layers hold their (stacked) blocks now; keep only the lm_head's, for draft lm_heads
         self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
@@ -331,7 +335,7 @@ class NativeLlama:
 
         return native_weights(gguf, w, orders_path(Path(gguf)))
 
-    def _choose_wide(self, blocks: dict) -> None:
+    def _choose_wide(self, blocks: dict, head_name: str) -> None:
         """Where the kernels have AVX-512 passes, which to run for each row count of the blocks'
         kinds (measured once per machine on the first 8 layers' weights, stacked as the layers
         multiply them, and on the lm_head; cached)."""
@@ -340,18 +344,11 @@ class NativeLlama:
         if not blocks or not native.wide_available():
             return
         parts = _native_parts(blocks, {"native"})
+        stacked = [parts(names) for i in range(min(8, self.arch.num_layers)) for names in stacked_names(f"layers.{i}.")]
         by_kind: dict[str, list] = {}
-        for i in range(min(8, self.arch.num_layers)):
-            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            for names in ([f"{attn}{p}_proj.weight" for p in "qkv"], [f"{attn}o_proj.weight"],
-                          [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"], [f"{mlp}down_proj.weight"]):
-                stacked = parts(names)
-                if stacked is not None:
-                    by_kind.setdefault(stacked.kind, []).append(stacked)
-        for name in ("lm_head.weight", "embed_tokens.weight"):
-            if name in blocks:
-                by_kind.setdefault(blocks[name].kind, []).append(blocks[name])
-                break
+        for weight in [*stacked, blocks.get(head_name)]:
+            if weight is not None:
+                by_kind.setdefault(weight.kind, []).append(weight)
         native.choose_wide(by_kind)
 
     def _activation_blocks(self, activations: str) -> dict:
@@ -368,7 +365,7 @@ class NativeLlama:
                 f"--dtype float32 give them). Use --activations fp32.")
         return {k: b.with_int8_activations() for k, b in self.blocks.items()}
 
-    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor,
+    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor, head_blocks,
                       blocks: dict) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
         few layers' own weights and on the lm_head."""
@@ -392,7 +389,6 @@ class NativeLlama:
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
         layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
         variant = ",".join(sorted({f"{b.kind}" for b in blocks.values()}))  # which GGUF blocks the native kernel reads
-        head_blocks = blocks.get("embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight")
         layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers, variant)
         head_plan = choose_plan("lm_head", [list(head.shape)], self.device, self.dtype,
                                 lambda options: measure_plan([[Weight(head, set(options), head_blocks)]], options),

@@ -76,15 +76,27 @@ def vnni_flags() -> list[str]:
     with ``DDSPEC_VNNI=0``. The results are the same bits either way (exact integer sums)."""
     global _vnni
     if _vnni is None:
-        _vnni = []
-        if os.environ.get("DDSPEC_VNNI", "1").strip() not in ("0", "off", "no", "false"):
-            have = _cpu_flags()
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            for need, options in _VNNI_OPTIONS:
-                if need <= have and compiler and _compiles(compiler, options):
-                    _vnni = options
-                    break
+        _vnni = [] if _switched_off("DDSPEC_VNNI") else _first_taken(_VNNI_OPTIONS)
     return _vnni
+
+
+def _switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns a feature off (0 / off / no / false)."""
+    return os.environ.get(name, "1").strip() in ("0", "off", "no", "false")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _first_taken(options: tuple[tuple[set[str], list[str]], ...]) -> list[str]:
+    """The first compiler flags of ``options`` ((CPU flags needed, compiler flags), ...) whose CPU
+    flags this CPU has and which the compiler takes; [] when none."""
+    have, compiler = _cpu_flags(), _compiler()
+    for need, flags in options:
+        if need <= have and compiler and _compiles(compiler, flags):
+            return flags
+    return []
 
 
 _vnni: list[str] | None = None
@@ -136,7 +148,7 @@ def build_flags() -> list[str]:
 # AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE); the
 # rest of the code stays on 256-bit vectors (-mprefer-vector-width=256: no change to what gcc
 # vectorises by itself)
-_WIDE_OPTIONS = ({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"])
+_WIDE_OPTIONS = (({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"]),)
 _wide: list[str] | None = None
 
 
@@ -146,12 +158,7 @@ def wide_flags() -> list[str]:
     the 8-lane passes' arithmetic)."""
     global _wide
     if _wide is None:
-        _wide = []
-        if os.environ.get("DDSPEC_AVX512", "1").strip() not in ("0", "off", "no", "false"):
-            need, options = _WIDE_OPTIONS
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if need <= _cpu_flags() and compiler and _compiles(compiler, options):
-                _wide = options
+        _wide = [] if _switched_off("DDSPEC_AVX512") else _first_taken(_WIDE_OPTIONS)
     return _wide
 
 
@@ -173,7 +180,7 @@ class _Build:
     waits for it only when the kernels are needed."""
 
     def __init__(self, out: Path) -> None:
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = _compiler()
         if compiler is None:
             raise RuntimeError("no C compiler (cc/gcc) on PATH")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +238,7 @@ def _remove_stale(folder: Path, age_s: float = 3600.0) -> None:
 
 def _enabled() -> str | None:
     """Why the kernels cannot be used here, or None."""
-    if os.environ.get("DDSPEC_NATIVE", "1").strip() in ("0", "off", "no", "false"):
+    if _switched_off("DDSPEC_NATIVE"):
         return "disabled by DDSPEC_NATIVE=0"
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
         return "needs an x86-64 CPU with AVX2, FMA and F16C"
@@ -263,7 +270,7 @@ def start_build() -> None:
 
 def build_id() -> str:
     """Names this source built with this compiler and flags (kernel choices are cached per build)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    compiler = _compiler() or "cc"
     recipe = " ".join([compiler, *build_flags(), "parts", *map(str, PARTS)])
     return hashlib.sha256(SOURCE.read_bytes() + recipe.encode()).hexdigest()[:16]
 

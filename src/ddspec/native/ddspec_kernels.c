@@ -165,15 +165,20 @@ static inline __attribute__((always_inline)) void block_end(int64_t kind, const 
     }
 }
 
-static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 a1, float *y, int accumulate) {
-    float v[16];
-    _mm256_storeu_ps(v, a0);
-    _mm256_storeu_ps(v + 8, a1);
+/* Group g's 16 sums v (the padding outputs past W->out dropped), plus the bias, into y (+)=. */
+static inline void store_outputs(const dd_weight *W, int64_t g, const float *v, float *y, int accumulate) {
     const int64_t o0 = g * 16, n = W->out - o0 < 16 ? W->out - o0 : 16;
     for (int64_t j = 0; j < n; j++) {
         const float s = v[j] + (W->bias ? W->bias[o0 + j] : 0.0f);
         if (accumulate) y[o0 + j] += s; else y[o0 + j] = s;
     }
+}
+
+static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 a1, float *y, int accumulate) {
+    float v[16];
+    _mm256_storeu_ps(v, a0);
+    _mm256_storeu_ps(v + 8, a1);
+    store_outputs(W, g, v, y, accumulate);
 }
 
 /* Rows [0, R) of x against group g (2R accumulators). */
@@ -428,14 +433,6 @@ static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16))));
 }
 
-static inline void store_group16(const dd_weight *W, int64_t g, const float *v, float *y, int accumulate) {
-    const int64_t o0 = g * 16, n = W->out - o0 < 16 ? W->out - o0 : 16;
-    for (int64_t j = 0; j < n; j++) {
-        const float s = v[j] + (W->bias ? W->bias[o0 + j] : 0.0f);
-        if (accumulate) y[o0 + j] += s; else y[o0 + j] = s;
-    }
-}
-
 /* G for n rows of a kind (the entry of their largest tile), 0 for the 8-lane passes */
 static inline int64_t wide_groups(int64_t kind, int64_t n) {
     const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
@@ -477,7 +474,7 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
             }                                                                                       \
         }                                                                                           \
         for (int r = 0; r < R; r++)                                                                 \
-            for (int j = 0; j < G; j++) store_group16(W, g + j, tot + (r * G + j) * 16, y + r * ldy, accumulate); \
+            for (int j = 0; j < G; j++) store_outputs(W, g + j, tot + (r * G + j) * 16, y + r * ldy, accumulate); \
     }
 
 #define WPASSES(KIND_ID, KIND)                                                                      \
