@@ -498,18 +498,23 @@ def test_vnni_kernels_give_the_same_bits_as_the_avx2_ones(tmp_path):
         assert torch.equal(weight.with_int8_activations()(x), torch.load(tmp_path / f"{kind}.pt"))
 
 
-@pytest.mark.skipif(not native.wide_available(), reason="these kernels were built without the AVX-512 passes")
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1a8", "q8_0a8"])
 def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
     """Every groups-per-pass choice of the AVX-512 passes, at every tile size and at row counts
     that split into several tiles, equals the 8-lane passes bit for bit (200 outputs: 13 groups,
-    so the last unit of 2, 3 or 4 groups is short; a bias on one of them)."""
-    weight, _ = quantised(kind, 200, 96, seed=5)
+    so the last unit of 2, 3 or 4 groups is short; a bias on one of them). The 8-bit-activation
+    kinds (AVX-512 VNNI) get rows whose blocks reach the rounding's +-127 and hold zeros."""
+    if not native.wide_available(kind):
+        pytest.skip(f"these kernels were built without the AVX-512 passes for {kind}")
+    weight, _ = quantised(kind[:4], 200, 96, seed=5)
+    if kind.endswith("a8"):
+        weight = weight.with_int8_activations()
     biased = weight.with_bias(torch.randn(200))
     torch.manual_seed(1)
     try:
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
-            x = torch.randn(n, 96)
+            x = torch.randn(n, 96) * torch.logspace(-2, 2, 96)  # blocks of very different scales
+            x[0, 32:64] = 0.0  # an all-zero block (scale 0)
             tiles = -(-n // native.WIDE_ROWS)
             tile = -(-n // tiles)
             for w in (weight, biased):
@@ -526,8 +531,9 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
 def test_the_avx512_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
     weights = {"q4_1": [quantised("q4_1", 64, 64, seed=2)[0]], "q8_0": [quantised("q8_0", 48, 64, seed=3)[0]]}
+    weights.update({f"{k}a8": [w.with_int8_activations() for w in ws] for k, ws in list(weights.items())})
     chosen = native.choose_wide(weights)
-    assert set(chosen) == {"q4_1", "q8_0"}
+    assert set(chosen) == {k for k in weights if native.wide_available(k)}
     for groups in chosen.values():
         assert len(groups) == native.WIDE_ROWS
         assert all(g in native.wide_options(r) for r, g in enumerate(groups, 1))

@@ -120,6 +120,13 @@ class LlamaLayer:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
+# the bytes of layer weights the AVX-512 passes are timed on (native.choose_wide): past the last-level
+# caches of these CPUs (32 MB L3 per core complex on AMD EPYC), so that the weights come from
+# memory as in a forward: timed on 8 layers (21 MB, held in the caches between rounds), the
+# choice for 3 rows of the int8 model ran its forward 1.10x slower than the 8-lane passes
+WIDE_TIMING_BYTES = 64 << 20
+
+
 def stacked_names(prefix: str) -> list[list[str]]:
     """The weights a layer multiplies as one matrix each: q|k|v, o, gate|up, down."""
     attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
@@ -337,19 +344,48 @@ class NativeLlama:
 
     def _choose_wide(self, blocks: dict, head_name: str) -> None:
         """Where the kernels have AVX-512 passes, which to run for each row count of the blocks'
-        kinds (measured once per machine on the first 8 layers' weights, stacked as the layers
-        multiply them, and on the lm_head; cached)."""
+        kinds: measured once per machine (cached) on the layers' weights stacked as the layers
+        multiply them, as many layers as make WIDE_TIMING_BYTES (more than a CPU's caches hold,
+        as in a forward, which streams every layer from memory), and on the lm_head. Where the
+        kernels also have the passes for 8-bit activations and the target does not use the
+        default draft heads' kind (q4_1a8), that kind is timed too, on the first 4 layers' Q4_1
+        weights (a head's working set, which stays in the caches between its levels)."""
         from ddspec import native
+        from ddspec.draft.packed import DEFAULT_DRAFT_WEIGHTS
 
         if not blocks or not native.wide_available():
             return
-        parts = _native_parts(blocks, {"native"})
-        stacked = [parts(names) for i in range(min(8, self.arch.num_layers)) for names in stacked_names(f"layers.{i}.")]
-        by_kind: dict[str, list] = {}
-        for weight in [*stacked, blocks.get(head_name)]:
-            if weight is not None:
+        groups = [names for i in range(self.arch.num_layers) for names in stacked_names(f"layers.{i}.")
+                  if all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1]
+        head = blocks.get(head_name)
+        shapes: dict[str, set[str]] = {}
+        for names in groups:
+            shapes.setdefault(blocks[names[0]].kind, set()).add(
+                f"{sum(blocks[n].out_features for n in names)}x{blocks[names[0]].in_features}")
+        if head is not None:
+            shapes.setdefault(head.kind, set()).add(f"{head.out_features}x{head.in_features}")
+        heads, base = DEFAULT_DRAFT_WEIGHTS, DEFAULT_DRAFT_WEIGHTS.removesuffix("a8")
+        for_heads = heads != base and heads not in shapes and base in shapes
+        if for_heads:
+            shapes[heads] = {"head " + s for s in shapes[base]}
+
+        def weights() -> dict[str, list]:
+            parts = _native_parts(blocks, {"native"})
+            by_kind: dict[str, list] = {}
+            taken = 0
+            for names in groups:
+                if taken >= WIDE_TIMING_BYTES:
+                    break
+                weight = parts(names)
                 by_kind.setdefault(weight.kind, []).append(weight)
-        native.choose_wide(by_kind)
+                taken += weight.nbytes
+            if head is not None:
+                by_kind.setdefault(head.kind, []).append(head)
+            if for_heads:
+                by_kind[heads] = [w.with_int8_activations() for w in by_kind[base][:16] if w.kind == base]
+            return by_kind
+
+        native.choose_wide(weights, {k: sorted(v) for k, v in shapes.items()})
 
     def _activation_blocks(self, activations: str) -> dict:
         """The blocks the target multiplies with: ``self.blocks``, or for ``int8`` their kinds with

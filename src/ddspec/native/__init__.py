@@ -145,10 +145,11 @@ def build_flags() -> list[str]:
     return FLAGS + vnni_flags() + wide_flags()
 
 
-# AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE); the
-# rest of the code stays on 256-bit vectors (-mprefer-vector-width=256: no change to what gcc
-# vectorises by itself)
-_WIDE_OPTIONS = (({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"]),)
+# AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE) and, with
+# AVX-512 VNNI, with 8-bit activations (DD_WIDE_A8); the rest of the code stays on 256-bit vectors
+# (-mprefer-vector-width=256: no change to what gcc vectorises by itself)
+_WIDE_OPTIONS = (({"avx512f", "avx512_vnni"}, ["-mavx512f", "-mavx512vnni", "-mprefer-vector-width=256"]),
+                 ({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"]))
 _wide: list[str] | None = None
 
 
@@ -580,13 +581,15 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
 
 # -- the AVX-512 passes: which groups per pass, chosen by measurement ---------------------------
 WIDE_ROWS = 8  # the tile sizes dd_wide_groups covers (more rows run in balanced tiles of at most 8)
-WIDE_KINDS = {"q4_1": 0, "q8_0": 1}
+WIDE_KINDS = {"q4_1": 0, "q8_0": 1, "q4_1a8": 2, "q8_0a8": 3}
+WIDE_A8 = ("q4_1a8", "q8_0a8")  # the kinds whose AVX-512 passes also need AVX-512 VNNI
 
 
-def wide_available() -> bool:
-    """Whether the kernels were built with the AVX-512 passes (a CPU with AVX-512F, DDSPEC_AVX512 unset)."""
+def wide_available(kind: str | None = None) -> bool:
+    """Whether the kernels were built with the AVX-512 passes (a CPU with AVX-512F, DDSPEC_AVX512 unset),
+    for ``kind`` when given (the 8-bit-activation kinds also need AVX-512 VNNI)."""
     lib = library()
-    return lib is not None and bool(lib.dd_wide())
+    return lib is not None and lib.dd_wide() >= (2 if kind in WIDE_A8 else 1)
 
 
 def wide_options(rows: int) -> tuple[int, ...]:
@@ -596,8 +599,8 @@ def wide_options(rows: int) -> tuple[int, ...]:
 
 
 def set_wide(kind: str, groups: list[int]) -> None:
-    """Use ``groups[r - 1]`` groups per pass for tiles of r rows of ``kind`` (q4_1 / q8_0 with fp32
-    activations; 0 = the 8-lane passes)."""
+    """Use ``groups[r - 1]`` groups per pass for tiles of r rows of ``kind`` (one of WIDE_KINDS: q4_1 /
+    q8_0 with fp32 activations, q4_1a8 / q8_0a8 with 8-bit ones; 0 = the 8-lane passes)."""
     lib = library()
     for rows, g in enumerate(groups, 1):
         if lib is None or lib.dd_set_wide_groups(WIDE_KINDS[kind], rows, int(g)):
@@ -609,7 +612,7 @@ def wide_choice() -> dict[str, list[int]]:
     if not wide_available():
         return {}
     return {kind: [library().dd_get_wide_groups(i, rows) for rows in range(1, WIDE_ROWS + 1)]
-            for kind, i in WIDE_KINDS.items()}
+            for kind, i in WIDE_KINDS.items() if wide_available(kind)}
 
 
 def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
@@ -639,22 +642,24 @@ def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     return chosen
 
 
-def choose_wide(weights: dict[str, list[NativeWeight]]) -> dict[str, list[int]]:
+def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
     """Set the AVX-512 passes' groups per pass for each kind in ``weights`` ({kind: a model's weights
-    of that kind}): the cached choice for this CPU, kernel build, thread count and shapes, else
-    measured now (about a second, once) and cached unless other programs took the CPU meanwhile.
-    Without the AVX-512 passes, nothing (every choice is 0). The results are the same bits
-    whatever the choice; only the time differs."""
+    of that kind}, or a function returning that, called only when there is something to measure;
+    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function): the cached choice
+    for this CPU, kernel build, thread count and shapes, else measured now (a few seconds, once) and
+    cached unless other programs took the CPU meanwhile. Without the AVX-512 passes, nothing (every
+    choice is 0). The results are the same bits whatever the choice; only the time differs."""
     import json
 
     from ddspec.fileio import write_json_atomic
     from ddspec.machine import OtherLoad, cache_root, cpu_name
 
-    weights = {k: v for k, v in weights.items() if k in WIDE_KINDS and v}
-    if not weights or not wide_available():
+    if shapes is None:
+        shapes = {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items() if v}
+    shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v and wide_available(k)}
+    if not shapes:
         return {}
-    key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
-           "shapes": {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items()}}
+    key = {"format": 2, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
     path = cache_root() / "kernels" / ("wide-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(path.read_text())
@@ -664,9 +669,11 @@ def choose_wide(weights: dict[str, list[NativeWeight]]) -> dict[str, list[int]]:
             return data["groups"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, stale or unreadable: measure
+    if callable(weights):
+        weights = weights()
     print("ddspec: timing the AVX-512 kernel passes on this CPU (once, cached)", file=sys.stderr)
     others = OtherLoad()
-    chosen = {kind: measure_wide(ws) for kind, ws in weights.items()}
+    chosen = {kind: measure_wide(weights[kind]) for kind in shapes if weights.get(kind)}
     if others.too_busy() is None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

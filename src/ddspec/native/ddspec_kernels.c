@@ -420,8 +420,26 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
 #define WIDE_TILE 8 /* rows per pass: 8 rows x 2 groups = 16 chains, 2 level registers, 1 broadcast
                       * (tiles of 10 or 12 rows measured slower: gcc spills some of their 20-24 sums) */
 #endif
-/* groups per pass by kind (0: Q4_1, 1: Q8_0) and rows in the largest tile (1 .. WIDE_TILE); 0: the 8-lane passes */
-extern DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE];
+/* AVX-512 VNNI (vpdpbusd on 16 lanes) for the kinds with 8-bit activations, where the build also
+ * enables it (-mavx512vnni): see DD_Q4_1_A8's wide passes */
+#if DD_WIDE && defined(__AVX512VNNI__)
+#define DD_WIDE_A8 1
+#else
+#define DD_WIDE_A8 0
+#endif
+/* groups per pass by kind (0: Q4_1, 1: Q8_0, 2: Q4_1_A8, 3: Q8_0_A8) and rows in the largest tile
+ * (1 .. WIDE_TILE); 0: the 8-lane passes */
+extern DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
+
+static inline int wide_index(int64_t kind) {
+    return kind == DD_Q4_1 ? 0 : kind == DD_Q8_0 ? 1 : kind == DD_Q4_1_A8 ? 2 : 3;
+}
+
+/* G for n rows of a kind (the entry of their largest tile), 0 for the 8-lane passes */
+static inline int64_t wide_groups(int64_t kind, int64_t n) {
+    const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
+    return dd_wide_groups[wide_index(kind)][(n + tiles - 1) / tiles - 1];
+}
 
 #if DD_WIDE && (DD_HAS(1) || DD_HAS(2))
 static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const uint8_t *blk, int64_t kk) {
@@ -431,12 +449,6 @@ static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16))));
-}
-
-/* G for n rows of a kind (the entry of their largest tile), 0 for the 8-lane passes */
-static inline int64_t wide_groups(int64_t kind, int64_t n) {
-    const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;
-    return dd_wide_groups[kind == DD_Q4_1 ? 0 : 1][(n + tiles - 1) / tiles - 1];
 }
 
 typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t ldx, const float *sx,
@@ -668,18 +680,50 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
 /* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile). */
 typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
                         float *y, int64_t ldy, int accumulate);
+/* Rows [0, R) against groups [g, g + G) on 16 lanes (DD_WIDE_A8); sq: the rows' integer block sums of qx. */
+typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
+                             const int32_t *sq, float *y, int64_t ldy, int accumulate);
 
 /* y (+)= x @ W^T for an 8-bit-activation kind inside a parallel region: every thread rounds
  * the rows itself (no sharing, no barrier), and for Q4_1 takes their block sums (the minimums'
  * term), then the groups are shared, each against balanced tiles of at most `tile` rows
- * (7 = 4 + 3), passes[rows - 1] running a tile. */
+ * (7 = 4 + 3), passes[rows - 1] running a tile. With `wide` (the 16-lane passes by groups and
+ * rows) and a nonzero dd_wide_groups entry for n rows, units of G groups against tiles of at most
+ * WIDE_TILE rows instead. */
 static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
-                    const a8_pass *passes, int64_t tile) {
+                    const a8_pass *passes, int64_t tile, const a8_wide_pass (*wide)[WIDE_TILE]) {
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
     int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
     float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
     quantise_rows_a8(x, n, in, qx, dx);
     if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
+#if DD_WIDE_A8
+    const int64_t G = wide ? wide_groups(W->kind, n) : 0;
+    if (G) {
+        int32_t *sq = malloc(sizeof(int32_t) * (size_t)(n * nb + 1));
+        for (int64_t i = 0; i < n * nb; i++) {
+            int32_t t = 0;
+            for (int k = 0; k < 32; k++) t += qx[i * 32 + k];
+            sq[i] = t;
+        }
+        const int64_t wtiles = (n + WIDE_TILE - 1) / WIDE_TILE, units = (groups + G - 1) / G;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t g = u * G, ng = groups - g < G ? groups - g : G;
+            for (int64_t t = 0, r = 0; t < wtiles; t++) {
+                const int64_t rows = n / wtiles + (t < n % wtiles);
+                wide[ng - 1][rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, sq + r * nb, y + r * ldy, ldy, acc);
+                r += rows;
+            }
+        }
+        free(sq);
+        free(qx);
+        free(dx);
+        return;
+    }
+#else
+    (void)wide;
+#endif
     const int64_t tiles = (n + tile - 1) / tile;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++)
@@ -691,6 +735,94 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     free(qx);
     free(dx);
 }
+
+#if DD_WIDE_A8
+/* The 16-lane passes for 8-bit activations: one vpdpbusd multiplies four inputs of 16 outputs
+ * (a group) by one row's four rounded activations, where the 8-lane passes take two. Lane o
+ * holds output o; the integer sums are exact (any order gives the same integers), and each
+ * lane's block end is the 8-lane passes' float arithmetic, so the results are the same bits.
+ * Levels of quad i (inputs 4i .. 4i + 3) as 16 lanes of 4 unsigned bytes:
+ *   DD_Q4_1_A8: the quad's 32 bytes in both halves, the low nibbles kept in lanes 0-7 (outputs
+ *     0-7) and the high ones in lanes 8-15 (outputs 8-15);
+ *   DD_Q8_0_A8: the quad's 64 bytes (outputs 0-7, then 8-15) plus 128 (vpdpbusd's unsigned
+ *     operand): the sum then holds 128 * (the row's block sum of qx) too, which its running sum
+ *     starts without (sq). */
+#define A8_BYTES(KIND_ID) ((KIND_ID) == DD_Q4_1_A8 ? 384 : 576)
+static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, const uint8_t *blk, int i) {
+    if (kind == DD_Q4_1_A8) {
+        const __m512i L = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * i)));
+        return _mm512_and_si512(_mm512_srlv_epi64(L, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
+    }
+    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 + 64 * i)), _mm512_set1_epi8((char)0x80));
+}
+
+/* Rows [0, R) against groups [g, g + G): per block R * G integer sums in registers (two per
+ * output, even and odd quads, when R * G <= 2: independent chains), the scaled totals in memory. */
+#define AWPASS(KIND_ID, KIND, R, G)                                                                 \
+    static void awpass_##KIND##_##R##_##G(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, \
+                                          const float *sx, const int32_t *sq, float *y, int64_t ldy, int accumulate) { \
+        enum { C = R * G <= 2 ? 2 : 1, BYTES = A8_BYTES(KIND_ID) };                                 \
+        const int64_t nb = W->in / 32, in = W->in, next = nb * BYTES;                               \
+        float tot[R * G * 16] __attribute__((aligned(64)));                                         \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                                     \
+                for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + j * next + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
+            __m512i s[C][R * G];                                                                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const __m512i s0 = KIND_ID == DD_Q8_0_A8 ? _mm512_set1_epi32(-128 * sq[r * nb + b]) : _mm512_setzero_si512(); \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                               \
+                    s[0][r * G + j] = s0;                                                           \
+                    if (C == 2) s[C - 1][r * G + j] = _mm512_setzero_si512();                       \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
+                __m512i q[G];                                                                       \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) q[j] = a8_levels16(KIND_ID, blk + j * next, i); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    int32_t v;                                                                      \
+                    memcpy(&v, qx + r * in + b * 32 + 4 * i, 4);                                    \
+                    const __m512i xb = _mm512_set1_epi32(v);                                        \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                             \
+                        s[i % C][r * G + j] = _mm512_dpbusd_epi32(s[i % C][r * G + j], q[j], xb);   \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
+                const __m512 sc = _mm512_set1_ps(dx[r * nb + b]);                                   \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                               \
+                    const float *dm = (const float *)(blk + j * next);                              \
+                    float *t = tot + (r * G + j) * 16;                                              \
+                    const __m512i si = C == 2 ? _mm512_add_epi32(s[0][r * G + j], s[C - 1][r * G + j]) : s[0][r * G + j]; \
+                    __m512 tv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(_mm512_loadu_ps(dm), sc), _mm512_load_ps(t)); \
+                    if (KIND_ID == DD_Q4_1_A8) tv = _mm512_fmadd_ps(_mm512_loadu_ps(dm + 16), _mm512_set1_ps(sx[r * nb + b]), tv); \
+                    _mm512_store_ps(t, tv);                                                         \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int j = 0; j < G; j++) store_outputs(W, g + j, tot + (r * G + j) * 16, y + r * ldy, accumulate); \
+    }
+
+#define AWPASSES(KIND_ID, KIND)                                                                     \
+    AWPASS(KIND_ID, KIND, 1, 1) AWPASS(KIND_ID, KIND, 2, 1) AWPASS(KIND_ID, KIND, 3, 1) AWPASS(KIND_ID, KIND, 4, 1) \
+    AWPASS(KIND_ID, KIND, 5, 1) AWPASS(KIND_ID, KIND, 6, 1) AWPASS(KIND_ID, KIND, 7, 1) AWPASS(KIND_ID, KIND, 8, 1) \
+    AWPASS(KIND_ID, KIND, 1, 2) AWPASS(KIND_ID, KIND, 2, 2) AWPASS(KIND_ID, KIND, 3, 2) AWPASS(KIND_ID, KIND, 4, 2) \
+    AWPASS(KIND_ID, KIND, 5, 2) AWPASS(KIND_ID, KIND, 6, 2) AWPASS(KIND_ID, KIND, 7, 2) AWPASS(KIND_ID, KIND, 8, 2) \
+    AWPASS(KIND_ID, KIND, 1, 3) AWPASS(KIND_ID, KIND, 2, 3) AWPASS(KIND_ID, KIND, 3, 3) AWPASS(KIND_ID, KIND, 4, 3) \
+    AWPASS(KIND_ID, KIND, 1, 4) AWPASS(KIND_ID, KIND, 2, 4)                                         \
+    static const a8_wide_pass a8_wide_##KIND[4][WIDE_TILE] = {                                      \
+        {awpass_##KIND##_1_1, awpass_##KIND##_2_1, awpass_##KIND##_3_1, awpass_##KIND##_4_1,        \
+         awpass_##KIND##_5_1, awpass_##KIND##_6_1, awpass_##KIND##_7_1, awpass_##KIND##_8_1},       \
+        {awpass_##KIND##_1_2, awpass_##KIND##_2_2, awpass_##KIND##_3_2, awpass_##KIND##_4_2,        \
+         awpass_##KIND##_5_2, awpass_##KIND##_6_2, awpass_##KIND##_7_2, awpass_##KIND##_8_2},       \
+        {awpass_##KIND##_1_3, awpass_##KIND##_2_3, awpass_##KIND##_3_3, awpass_##KIND##_4_3},       \
+        {awpass_##KIND##_1_4, awpass_##KIND##_2_4}};
+#define A8_WIDE(KIND) a8_wide_##KIND
+#else
+#define AWPASSES(KIND_ID, KIND)
+#define A8_WIDE(KIND) NULL
+#endif
 
 #endif
 
@@ -744,10 +876,11 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
             store_group(W, g, _mm256_load_ps(tot + r * 16), _mm256_load_ps(tot + r * 16 + 8), y + r * ldy, accumulate); \
     }
 APASS(1) APASS(2) APASS(3) APASS(4)
+AWPASSES(DD_Q4_1_A8, q4_1a8)
 
 DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     static const a8_pass passes[4] = {apass_1, apass_2, apass_3, apass_4};
-    a8_gemm(W, x, n, y, ldy, acc, passes, 4);
+    a8_gemm(W, x, n, y, ldy, acc, passes, 4, A8_WIDE(q4_1a8));
 }
 #endif
 
@@ -792,10 +925,11 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
             store_group(W, g, t0[r], t1[r], y + r * ldy, accumulate);                               \
     }
 QAPASS(1) QAPASS(2) QAPASS(3)
+AWPASSES(DD_Q8_0_A8, q8_0a8)
 
 DD_SHARED void a8gemm_shared_q8_0(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     static const a8_pass passes[3] = {qapass_1, qapass_2, qapass_3};
-    a8_gemm(W, x, n, y, ldy, acc, passes, 3);
+    a8_gemm(W, x, n, y, ldy, acc, passes, 3, A8_WIDE(q8_0a8));
 }
 #endif
 
@@ -979,12 +1113,15 @@ static inline float dot_one(const float *a, const float *b, int64_t n) {
  * values pass adds p = 0 for the hidden keys, which changes no sum). */
 static float softmax_dense(float *srow, int64_t T);
 static float softmax_row(float *srow, int64_t T, const uint8_t *mrow) {
-    if (!mrow) return softmax_dense(srow, T);
-    int64_t v = 0;
-    for (int64_t t = 0; t < T; t++)
+    const uint8_t *hidden = mrow ? memchr(mrow, 0, (size_t)T) : NULL;
+    if (!hidden) return softmax_dense(srow, T);
+    /* the keys before the first hidden one (a tree's whole prefix) are in place already */
+    const int64_t first = hidden - mrow;
+    int64_t v = first;
+    for (int64_t t = first; t < T; t++)
         if (mrow[t]) srow[v++] = srow[t];
     const float inv = softmax_dense(srow, v);
-    for (int64_t t = T - 1; t >= 0; t--) srow[t] = mrow[t] ? srow[--v] : 0.0f;
+    for (int64_t t = T - 1; t >= first; t--) srow[t] = mrow[t] ? srow[--v] : 0.0f;
     return inv;
 }
 
@@ -1180,31 +1317,34 @@ static int attention_mode = 0;
  * up to 4 rows, then two, and Q8_0 (the lm_head: 49,152 outputs, one stream of memory per group)
  * with one group up to 5 rows, then two; the differences between G were within 10% */
 #if DD_WIDE
-DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1, 1, 1, 1, 2, 2, 2}};
+DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1, 1, 1, 1, 2, 2, 2},
+                                                 {DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8},
+                                                 {DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8, DD_WIDE_A8}};
 #else
-DD_HIDDEN int8_t dd_wide_groups[2][WIDE_TILE];
+DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
 #endif
 
-/* Groups per pass for tiles of `rows` rows of kind 0 (Q4_1) or 1 (Q8_0): 0 (the 8-lane passes), 1,
- * 2, 3 (rows <= 4) or 4 (rows <= 2); returns nonzero for a combination without a pass, or when
- * this build has no AVX-512 passes (then only 0 is taken). */
+/* Groups per pass for tiles of `rows` rows of kind 0 (Q4_1), 1 (Q8_0), 2 (Q4_1_A8) or 3 (Q8_0_A8):
+ * 0 (the 8-lane passes), 1, 2, 3 (rows <= 4) or 4 (rows <= 2); returns nonzero for a combination
+ * without a pass, or when this build has no AVX-512 passes for the kind (then only 0 is taken). */
 int dd_set_wide_groups(int kind, int rows, int groups) {
     static const int most[5] = {WIDE_TILE, WIDE_TILE, WIDE_TILE, 4, 2};
-    if (kind < 0 || kind > 1 || rows < 1 || rows > WIDE_TILE || groups < 0 || groups > 4 || rows > most[groups]) return 1;
-    if (groups && !DD_WIDE) return 1;
+    if (kind < 0 || kind > 3 || rows < 1 || rows > WIDE_TILE || groups < 0 || groups > 4 || rows > most[groups]) return 1;
+    if (groups && !(kind < 2 ? DD_WIDE : DD_WIDE_A8)) return 1;
     dd_wide_groups[kind][rows - 1] = (int8_t)groups;
     return 0;
 }
 
-/* The groups per pass set for tiles of `rows` rows of kind 0 / 1 (-1 for rows out of range). */
+/* The groups per pass set for tiles of `rows` rows of kind 0 .. 3 (-1 for rows out of range). */
 int dd_get_wide_groups(int kind, int rows) {
-    if (kind < 0 || kind > 1 || rows < 1 || rows > WIDE_TILE) return -1;
+    if (kind < 0 || kind > 3 || rows < 1 || rows > WIDE_TILE) return -1;
     return dd_wide_groups[kind][rows - 1];
 }
 
-/* Whether this build has the AVX-512 passes (DD_WIDE). */
+/* Which AVX-512 passes this build has: 0 none, 1 those with fp32 activations (DD_WIDE), 2 also
+ * those with 8-bit activations (DD_WIDE_A8). */
 int dd_wide(void) {
-    return DD_WIDE;
+    return DD_WIDE + DD_WIDE_A8;
 }
 
 int dd_set_attention(int mode) {
