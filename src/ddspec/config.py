@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 from ddspec.errors import ConfigError
 
+# Measured (AMD EPYC, 2 threads, 2026-12-02; the shipped head, 24 training prompts, 128 tokens): a draft
+# level at top_k 1 / 4 / 10 / 16 costs 0.52 / 1.10 / 2.29 / 3.44 ms with q4_1a8 against 0.90 / 1.59 / 2.98 /
+# 4.53 with q8_0 (0.65 / 1.23 / 2.68 / 4.25 with q8_0a8), for an EAGLE-2 tau of 4.081 against 4.100
+# (exact weights: 4.094); chain@d2 ran 6-7% faster with the int8 target, 2% with fp32, at the same tau.
+# The draft heads' default weights (draft/packed.py; the target times their kernels too, NativeLlama._choose_wide).
+DEFAULT_DRAFT_WEIGHTS = "q4_1a8"
+
 
 def _check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):

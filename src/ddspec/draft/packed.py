@@ -19,6 +19,7 @@ import torch
 
 from ddspec import native as native_lib
 from ddspec.draft.features import fusion_input
+from ddspec.config import DEFAULT_DRAFT_WEIGHTS
 from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, measure_plan
@@ -47,11 +48,6 @@ def _blocks(mats: dict, weights: str) -> dict:
     return {k: b.with_int8_activations() for k, b in blocks.items()} if weights.endswith("a8") else blocks
 
 
-# Measured (AMD EPYC, 2 threads, 2026-12-02; the shipped head, 24 training prompts, 128 tokens): a draft
-# level at top_k 1 / 4 / 10 / 16 costs 0.52 / 1.10 / 2.29 / 3.44 ms with q4_1a8 against 0.90 / 1.59 / 2.98 /
-# 4.53 with q8_0 (0.65 / 1.23 / 2.68 / 4.25 with q8_0a8), for an EAGLE-2 tau of 4.081 against 4.100
-# (exact weights: 4.094); chain@d2 ran 6-7% faster with the int8 target, 2% with fp32, at the same tau.
-DEFAULT_DRAFT_WEIGHTS = "q4_1a8"
 
 
 class PackedHead:

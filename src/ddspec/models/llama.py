@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddspec.config import DEFAULT_DRAFT_WEIGHTS
 from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
@@ -351,7 +352,6 @@ class NativeLlama:
         default draft heads' kind (q4_1a8), that kind is timed too, on the first 4 layers' Q4_1
         weights (a head's working set, which stays in the caches between its levels)."""
         from ddspec import native
-        from ddspec.draft.packed import DEFAULT_DRAFT_WEIGHTS
 
         if not blocks or not native.wide_available():
             return
