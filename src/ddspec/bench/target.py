@@ -80,6 +80,8 @@ def macs_per_token(target) -> int:
 def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> list[str]:
     """What the CPU's 8-bit multiply-add peak allows a forward over N tokens, against the
     int8 curve measured here (``fwd``: N -> ms)."""
+    from ddspec import native as native_lib
+
     if peak is None or not fwd:
         return []
     macs = macs_per_token(target)
@@ -90,7 +92,8 @@ def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> li
         "",
         f"Compute floor: a token's forward multiplies {macs / 1e6:.0f} M weights (layers and lm_head; attention "
         f"comes on top). This CPU's measured 8-bit multiply-add peak is {peak / 1e9:.0f} GMAC/s in these threads "
-        f"(`vpmaddubsw` on registers, the int8 kernels' inner step; no weight loaded, no scale applied), so N "
+        f"(`{native_lib.int8_peak_step()}` on registers, the int8 kernels' widest inner step; no weight loaded, no "
+        f"scale applied), so N "
         f"tokens need at least N x {per_token:.2f} ms of arithmetic whatever the kernel: T(8) >= {floor[8]:.1f} ms "
         f"and T(16) >= {floor[16]:.1f} ms. Against the int8 T(1) measured here ({fwd[1]:.1f} ms), T(8)/T(1) >= "
         f"{floor[8] / fwd[1]:.2f} and T(16)/T(1) >= {floor[16] / fwd[1]:.2f} for any implementation on this CPU "

@@ -155,11 +155,12 @@ _wide: list[str] | None = None
 
 def wide_flags() -> list[str]:
     """The compiler flags for the AVX-512 passes: where this CPU has AVX-512F and the compiler takes
-    them; none with ``DDSPEC_AVX512=0``. The results are the same bits either way (each lane runs
-    the 8-lane passes' arithmetic)."""
+    them (with AVX-512 VNNI too, unless ``DDSPEC_VNNI=0``); none with ``DDSPEC_AVX512=0``. The
+    results are the same bits either way (each lane runs the 8-lane passes' arithmetic)."""
     global _wide
     if _wide is None:
-        _wide = [] if _switched_off("DDSPEC_AVX512") else _first_taken(_WIDE_OPTIONS)
+        options = _WIDE_OPTIONS[1:] if _switched_off("DDSPEC_VNNI") else _WIDE_OPTIONS
+        _wide = [] if _switched_off("DDSPEC_AVX512") else _first_taken(options)
     return _wide
 
 
@@ -309,6 +310,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64
+    lib.dd_int8_peak_step.argtypes = []
+    lib.dd_int8_peak_step.restype = ctypes.c_int
     lib.dd_wide.argtypes = []
     lib.dd_wide.restype = ctypes.c_int
     lib.dd_set_wide_groups.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -521,19 +524,27 @@ def layer_array(layers: list[_Layer]):
 ATTENTION_MODES = {"auto": 0, "rows": 1, "shared": 2}
 
 
-PEAK_MACS_PER_ROUND = 8 * 32  # dd_int8_peak's round: 8 vpmaddubsw of 32 byte products each
+# dd_int8_peak's step by dd_int8_peak_step: (its instruction, byte products per step); a round is 8 steps
+PEAK_STEPS = {0: ("vpmaddubsw on 8 lanes", 32), 1: ("vpdpbusd on 8 lanes", 32), 2: ("vpdpbusd on 16 lanes", 64)}
+
+
+def int8_peak_step() -> str | None:
+    """The instruction :func:`int8_peak` times (the int8-activation kernels' widest inner step in this build)."""
+    lib = library()
+    return None if lib is None else PEAK_STEPS[lib.dd_int8_peak_step()][0]
 
 
 def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
-    """Measured 8-bit multiply-adds per second of this CPU in ``threads`` threads (vpmaddubsw on
-    registers: the arithmetic of the int8-activation kernels at its fastest), best of 5 runs of
-    about ``seconds``; None without the kernels."""
+    """Measured 8-bit multiply-adds per second of this CPU in ``threads`` threads (the int8-activation
+    kernels' widest multiply-add instruction on registers, :func:`int8_peak_step`: their arithmetic
+    at its fastest), best of 5 runs of about ``seconds``; None without the kernels."""
     import time
 
     lib = library()
     if lib is None:
         return None
     iters, best = 1 << 16, 0.0
+    per_round = 8 * PEAK_STEPS[lib.dd_int8_peak_step()][1]
     while True:  # grow the run until it is long enough to time
         t0 = time.perf_counter()
         lib.dd_int8_peak(iters, threads)
@@ -543,7 +554,7 @@ def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
     for _ in range(5):
         t0 = time.perf_counter()
         lib.dd_int8_peak(iters, threads)
-        best = max(best, iters * threads * PEAK_MACS_PER_ROUND / (time.perf_counter() - t0))
+        best = max(best, iters * threads * per_round / (time.perf_counter() - t0))
     return best
 
 

@@ -1005,28 +1005,55 @@ static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y,
 }
 
 /* The CPU's 8-bit multiply-add rate, for the benchmark's compute floor: `iters` rounds, in each
- * of `nthreads` threads, of 8 independent vpmaddubsw + 16-bit adds (the inner step of the
- * int8-activation kernels, 32 multiply-adds each) on registers, no memory. Returns a checksum
- * (so that the loop is kept). */
+ * of `nthreads` threads, of 8 independent steps of the int8-activation kernels' widest inner
+ * instruction on registers, no memory (dd_int8_peak_step: 0 = vpmaddubsw + a 16-bit add on 8
+ * lanes, 32 multiply-adds; 1 = vpdpbusd on 8 lanes, 32; 2 = vpdpbusd on 16 lanes, 64). Returns a
+ * checksum (so that the loop is kept). */
+#if DD_WIDE_A8
+#define PEAK_STEP_KIND 2
+#define PEAK_VEC __m512i
+#define PEAK_SET1(v) _mm512_set1_epi8(v)
+#define PEAK_ACC(S, A, B) _mm512_dpbusd_epi32(S, A, B)
+#define PEAK_ADD(a, b) _mm512_add_epi32(a, b)
+#define PEAK_FIRST(t) _mm_cvtsi128_si32(_mm512_castsi512_si128(t))
+#else
+#if defined(__AVXVNNI__)
+#define PEAK_STEP_KIND 1
+#define PEAK_ACC(S, A, B) _mm256_dpbusd_avx_epi32(S, A, B)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PEAK_STEP_KIND 1
+#define PEAK_ACC(S, A, B) _mm256_dpbusd_epi32(S, A, B)
+#else
+#define PEAK_STEP_KIND 0
+#define PEAK_ACC(S, A, B) _mm256_add_epi16(S, _mm256_maddubs_epi16(A, B))
+#endif
+#define PEAK_VEC __m256i
+#define PEAK_SET1(v) _mm256_set1_epi8(v)
+#define PEAK_ADD(a, b) _mm256_add_epi16(a, b)
+#define PEAK_FIRST(t) _mm256_extract_epi16(t, 0)
+#endif
+int dd_int8_peak_step(void) {
+    return PEAK_STEP_KIND;
+}
+
 int64_t dd_int8_peak(int64_t iters, int nthreads) {
     int64_t total = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
     {
-        __m256i a0 = _mm256_set1_epi8(1), a1 = _mm256_set1_epi8(2), a2 = _mm256_set1_epi8(3), a3 = _mm256_set1_epi8(4);
-        const __m256i b = _mm256_set1_epi8(1);
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+        PEAK_VEC a0 = PEAK_SET1(1), a1 = PEAK_SET1(2), a2 = PEAK_SET1(3), a3 = PEAK_SET1(4);
+        const PEAK_VEC b = PEAK_SET1(1);
+        PEAK_VEC s0 = PEAK_SET1(0), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
 #define PEAK_STEP(S, A) /* a new operand for every product (nothing to share or hoist), a running sum */ \
-        __asm__("" : "+x"(A));                                                                  \
-        S = _mm256_add_epi16(S, _mm256_maddubs_epi16(A, b));                                     \
-        __asm__("" : "+x"(S));
+        __asm__("" : "+v"(A));                                                                  \
+        S = PEAK_ACC(S, A, b);                                                                   \
+        __asm__("" : "+v"(S));
         for (int64_t it = 0; it < iters; it++) {
             PEAK_STEP(s0, a0) PEAK_STEP(s1, a1) PEAK_STEP(s2, a2) PEAK_STEP(s3, a3)
             PEAK_STEP(s4, a0) PEAK_STEP(s5, a1) PEAK_STEP(s6, a2) PEAK_STEP(s7, a3)
         }
 #undef PEAK_STEP
-        __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(s0, s1), _mm256_add_epi16(s2, s3)),
-                                     _mm256_add_epi16(_mm256_add_epi16(s4, s5), _mm256_add_epi16(s6, s7)));
-        total += _mm256_extract_epi16(t, 0);
+        const PEAK_VEC t = PEAK_ADD(PEAK_ADD(PEAK_ADD(s0, s1), PEAK_ADD(s2, s3)), PEAK_ADD(PEAK_ADD(s4, s5), PEAK_ADD(s6, s7)));
+        total += PEAK_FIRST(t);
     }
     return total;
 }
