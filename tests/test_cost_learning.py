@@ -200,13 +200,13 @@ def test_plain_steps_when_drafting_does_not_pay():
     # a draft that is never accepted: drafting only adds cost, so the policy settles on plain
     # steps, and still tries drafting now and then so that a better draft would be noticed
     policy = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
-    choices = never_accepted(policy, 300, verify_extra_ms=5.0, plain=(1, 1, TRUE.verify(torch.tensor([1])).item()))
+    choices = never_accepted(policy, 500, verify_extra_ms=5.0, plain=(1, 1, TRUE.verify(torch.tensor([1])).item()))
     assert sum(choices[-200:]) <= 200 / policy.explore_close + 2  # plain steps, but for exploration
-    assert any(choices[-200:])  # exploration continues
+    assert any(choices[-300:])  # exploration continues
     first_plain = choices.index(False)
     tries = [i for i, c in enumerate(choices) if c and i > first_plain]
     gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0]  # each try that confirms plain steps waits longer
+    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] > 1.5 * gaps[0]  # each confirming try waits longer
 
 
 class FakeClock:
@@ -402,3 +402,37 @@ def test_the_cost_key_tells_the_draft_weights_apart(tiny_targets, monkeypatch):
     assert "draft_weights" not in keys["q8_0"]
     assert keys["q4_1a8"]["draft_weights"] == "q4_1a8" and keys["exact"]["draft_weights"] == "exact"
     assert len({json.dumps(k, sort_keys=True) for k in keys.values()}) == 3
+
+
+def as_forecast_but_slower(policy: CostAwarePolicy, steps: int, hidden_ms: float) -> list[bool]:
+    """Drafted steps that yield the tokens their forecast says and take its time plus ``hidden_ms``
+    the forecasts do not see (the draft phase's catch-up, reported as a whole-phase time); plain
+    steps one token at TRUE's one-token cost plus its other costs. Whether each step drafted."""
+    plain_ms = TRUE.verify(torch.tensor([1])).item() + TRUE.other_ms
+    choices = []
+    for _ in range(steps):
+        drafting = policy.draft_now()
+        choices.append(drafting)
+        if drafting:
+            levels, scores = draft(policy)
+            policy.observe(scores, torch.rand(scores.numel()) < scores.exp())
+            tokens, ms = policy.prediction
+            draft_ms = TRUE.draft(levels)
+            policy.observe_step(round(tokens), scores.numel() + 1, None, ms - draft_ms, 0.0, phase_ms=draft_ms + hidden_ms)
+        else:
+            policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
+    return choices
+
+
+def test_what_the_forecasts_leave_out_is_measured_and_counted():
+    """Drafted steps that cost more than their forecasts say (work outside the priced phases, e.g. the
+    head catching up) lower the drafted rate the policy compares with plain steps: with 30 ms a step
+    unseen the policy settles on plain steps; with none it keeps drafting."""
+    torch.manual_seed(0)
+    honest = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
+    assert sum(as_forecast_but_slower(honest, 300, hidden_ms=0.0)[-100:]) >= 80
+    assert honest.bias() == pytest.approx(1.0, abs=0.25)
+    torch.manual_seed(0)
+    unseen = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
+    assert sum(as_forecast_but_slower(unseen, 300, hidden_ms=30.0)[-100:]) <= 100 / unseen.explore_close + 2
+    assert unseen.bias() < 0.8

@@ -276,7 +276,8 @@ class EagleDrafter:
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         """The engine's timing of the step just finished (the cost-aware method learns from it)."""
         if self.cost_policy is not None:  # a catch-up forward is not a draft level: keep it out of the draft costs
-            self.cost_policy.observe_step(tokens, tree_size, None if self._caught_up else draft_ms, verify_ms, gap_ms)
+            self.cost_policy.observe_step(tokens, tree_size, None if self._caught_up else draft_ms, verify_ms, gap_ms,
+                                          phase_ms=draft_ms)
 
     @property
     def prediction(self) -> tuple[float, float] | None:

@@ -302,6 +302,11 @@ class CostAwarePolicy:
     max_backoff = 8  # drafting tried and still worse: the wait before the next try doubles, up to 8x
     min_drafted = 8  # drafted steps before the policy may prefer plain steps
     forecast_decay = 0.5  # the drafted rate follows the newest forecasts (made with the newest knowledge)
+    # drafted steps' measured rate against their forecasts (decayed sums over about 20 steps): what
+    # the forecasts leave out (the head catching up after plain steps, feeding it the accepted
+    # tokens, Python between the phases) scales the drafted rate the policy compares
+    bias_decay = 0.95
+    bias_bounds = (0.25, 2.0)
     plain_decay = 0.9  # the plain steps' measured rate: realised tokens are noisier than forecasts
 
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel, max_depth: int, max_tokens: int,
@@ -320,6 +325,8 @@ class CostAwarePolicy:
         # expected rate of drafted steps (the forecasts, with the costs and acceptance learned so
         # far): decayed sums of forecast tokens and ms, and the count of drafted steps
         self._draft_tokens = self._draft_ms = self._drafted = 0.0
+        # drafted steps as measured and as forecast (the size they verified): decayed sums (see bias)
+        self._real_tokens = self._real_ms = self._told_tokens = self._told_ms = 0.0
         # measured, of plain steps (lookup chains included): decayed sums of tokens, ms and steps
         self._plain_tokens = self._plain_ms_sum = self._plain_weight = 0.0
         self._plain_steps = 0
@@ -395,7 +402,21 @@ class CostAwarePolicy:
         A forecast, not the realised rate: the forecasts use the costs and acceptance learned from
         every step, so they track what steps take, without the noise of single verdicts (one
         unlucky step must not switch drafting off)."""
-        return self._draft_tokens / self._draft_ms if self._drafted >= self.min_drafted else None
+        if self._drafted < self.min_drafted:
+            return None
+        return self._draft_tokens / self._draft_ms * self.bias()
+
+    def bias(self) -> float:
+        """Measured over forecast tokens per ms of recent drafted steps (1.0 before ``min_drafted`` of
+        them; within ``bias_bounds``). The forecasts price a step's draft levels, verification and
+        the usual gap; a drafted step also pays the head's catch-up over the plain steps before it
+        and its commit of the accepted tokens, which the measurement holds. Slow (``bias_decay``):
+        one step's luck with acceptance hardly moves it."""
+        if self._drafted < self.min_drafted or min(self._real_ms, self._told_tokens) <= 0.0:
+            return 1.0
+        ratio = (self._real_tokens / self._real_ms) / (self._told_tokens / self._told_ms)
+        low, high = self.bias_bounds
+        return min(max(ratio, low), high)
 
     def draft_now(self, chain: bool | None = None) -> bool:
         """Draft this step, or verify the root alone without touching the head (plain decoding's
@@ -503,15 +524,21 @@ class CostAwarePolicy:
         self.graft_gain += (accepted - self.graft_gain) / self._graft_seen
 
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float | None, verify_ms: float,
-                     gap_ms: float) -> None:
+                     gap_ms: float, phase_ms: float | None = None) -> None:
         """The measured times of the step just finished (the engine's clock); ``draft_ms`` None when the
-        draft phase also did other work."""
+        draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time."""
         self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         if self.drafting:
             d = self.forecast_decay
             predicted_tokens, predicted_ms = (p - x for p, x in zip(self.prediction, self._probe_extra))
             self._draft_tokens = self._draft_tokens * d + predicted_tokens
             self._draft_ms = self._draft_ms * d + predicted_ms
+            b = self.bias_decay
+            spent = (draft_ms if draft_ms is not None else phase_ms or 0.0) + verify_ms + max(gap_ms, 0.0)
+            self._real_tokens = self._real_tokens * b + tokens
+            self._real_ms = self._real_ms * b + spent
+            self._told_tokens = self._told_tokens * b + self.prediction[0]
+            self._told_ms = self._told_ms * b + self.prediction[1]
             self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
         else:
