@@ -154,17 +154,25 @@ def never_accepted(policy: CostAwarePolicy, steps: int, verify_extra_ms: float,
                    plain: tuple[int, int, float]) -> list[bool]:
     """Steps whose drafts are never accepted (drafting only adds cost); a plain step yields
     ``plain`` = (tokens, verified nodes, verify ms). Returns whether each step drafted."""
+    def drafted(levels: int, scores: torch.Tensor) -> None:
+        policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
+        n = scores.numel() + 1
+        policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + verify_extra_ms, 0.0)
+
+    return play(policy, steps, drafted, lambda: policy.observe_step(plain[0], plain[1], 0.0, plain[2], 0.0))
+
+
+def play(policy: CostAwarePolicy, steps: int, drafted, plain) -> list[bool]:
+    """``steps`` steps as the policy chooses them: ``drafted(levels, scores)`` after drafting a tree
+    with :func:`draft`, ``plain()`` otherwise. Whether each step drafted."""
     choices = []
     for _ in range(steps):
         drafting = policy.draft_now()
         choices.append(drafting)
         if drafting:
-            levels, scores = draft(policy)
-            policy.observe(scores, torch.zeros(scores.numel(), dtype=torch.bool))
-            n = scores.numel() + 1
-            policy.observe_step(1, n, TRUE.draft(levels), TRUE.verify(torch.tensor([n])).item() + verify_extra_ms, 0.0)
+            drafted(*draft(policy))
         else:
-            policy.observe_step(plain[0], plain[1], 0.0, plain[2], 0.0)
+            plain()
     return choices
 
 
@@ -409,19 +417,14 @@ def as_forecast_but_slower(policy: CostAwarePolicy, steps: int, hidden_ms: float
     the forecasts do not see (the draft phase's catch-up, reported as a whole-phase time); plain
     steps one token at TRUE's one-token cost plus its other costs. Whether each step drafted."""
     plain_ms = TRUE.verify(torch.tensor([1])).item() + TRUE.other_ms
-    choices = []
-    for _ in range(steps):
-        drafting = policy.draft_now()
-        choices.append(drafting)
-        if drafting:
-            levels, scores = draft(policy)
-            policy.observe(scores, torch.rand(scores.numel()) < scores.exp())
-            tokens, ms = policy.prediction
-            draft_ms = TRUE.draft(levels)
-            policy.observe_step(round(tokens), scores.numel() + 1, None, ms - draft_ms, 0.0, phase_ms=draft_ms + hidden_ms)
-        else:
-            policy.observe_step(1, 1, 0.0, plain_ms, 0.0)
-    return choices
+
+    def drafted(levels: int, scores: torch.Tensor) -> None:
+        policy.observe(scores, torch.rand(scores.numel()) < scores.exp())
+        tokens, ms = policy.prediction
+        draft_ms = TRUE.draft(levels)
+        policy.observe_step(round(tokens), scores.numel() + 1, None, ms - draft_ms, 0.0, phase_ms=draft_ms + hidden_ms)
+
+    return play(policy, steps, drafted, lambda: policy.observe_step(1, 1, 0.0, plain_ms, 0.0))
 
 
 def test_what_the_forecasts_leave_out_is_measured_and_counted():
