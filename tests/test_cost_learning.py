@@ -210,11 +210,11 @@ def test_plain_steps_when_drafting_does_not_pay():
     policy = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
     choices = never_accepted(policy, 500, verify_extra_ms=5.0, plain=(1, 1, TRUE.verify(torch.tensor([1])).item()))
     assert sum(choices[-200:]) <= 200 / policy.explore_close + 2  # plain steps, but for exploration
-    assert any(choices[-300:])  # exploration continues
+    assert any(choices[-200:])  # exploration continues
     first_plain = choices.index(False)
     tries = [i for i, c in enumerate(choices) if c and i > first_plain]
     gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] > 1.5 * gaps[0]  # each confirming try waits longer
+    assert len(gaps) >= 2 and gaps == sorted(gaps) and gaps[-1] >= 1.9 * gaps[0]  # each confirming try waits ~2x longer
 
 
 class FakeClock:

@@ -399,9 +399,10 @@ class CostAwarePolicy:
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
 
-        A forecast, not the realised rate: the forecasts use the costs and acceptance learned from
-        every step, so they track what steps take, without the noise of single verdicts (one
-        unlucky step must not switch drafting off)."""
+        The forecasts' rate times :meth:`bias`, not the realised rate: the forecasts use the costs
+        and acceptance learned from every step, so they track what steps take, without the noise
+        of single verdicts (one unlucky step must not switch drafting off); the slow bias adds what
+        they cannot price (the head's catch-up, Python between the phases)."""
         if self._drafted < self.min_drafted:
             return None
         return self._draft_tokens / self._draft_ms * self.bias()
@@ -530,15 +531,16 @@ class CostAwarePolicy:
         self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         if self.drafting:
             d = self.forecast_decay
-            predicted_tokens, predicted_ms = (p - x for p, x in zip(self.prediction, self._probe_extra))
+            told_tokens, told_ms = self.prediction
+            predicted_tokens, predicted_ms = told_tokens - self._probe_extra[0], told_ms - self._probe_extra[1]
             self._draft_tokens = self._draft_tokens * d + predicted_tokens
             self._draft_ms = self._draft_ms * d + predicted_ms
             b = self.bias_decay
             spent = (draft_ms if draft_ms is not None else phase_ms or 0.0) + verify_ms + max(gap_ms, 0.0)
             self._real_tokens = self._real_tokens * b + tokens
             self._real_ms = self._real_ms * b + spent
-            self._told_tokens = self._told_tokens * b + self.prediction[0]
-            self._told_ms = self._told_ms * b + self.prediction[1]
+            self._told_tokens = self._told_tokens * b + told_tokens
+            self._told_ms = self._told_ms * b + told_ms
             self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
         else:
