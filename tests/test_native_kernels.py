@@ -296,7 +296,8 @@ def test_disabled_by_environment(monkeypatch):
                          ids=["head_dim64", "head_dim12"])
 def test_both_attention_passes_equal_the_torch_layer_and_each_other(tmp_path, shape, monkeypatch):
     """The one-pass attention (a unit per token and head) and the shared one (each kv head's
-    keys read once for all its queries) over a 75-token prefix, one token and a tree with holes:
+    keys read once for all its queries) over a 75-token prefix, one token, a tree with holes and a
+    9-token chain (more queries than one pass of the values takes on 16 lanes):
     both within 2e-5 of torch's layer relative to the logits' scale (the old per-head attention
     measured 6.4e-6 of it on the wider model), and equal to each other bit for bit (the same sums
     in the same order)."""
@@ -312,7 +313,8 @@ def test_both_attention_passes_equal_the_torch_layer_and_each_other(tmp_path, sh
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
     steps = [(torch.randint(0, 128, (75,), generator=gen), torch.arange(75), None),
              (torch.tensor([9]), torch.tensor([75]), None),
-             (torch.randint(0, 128, (5,), generator=gen), torch.tensor([76, 77, 77, 78, 78]), tree)]
+             (torch.randint(0, 128, (5,), generator=gen), torch.tensor([76, 77, 77, 78, 78]), tree),
+             (torch.randint(0, 128, (9,), generator=gen), torch.arange(79, 88), torch.tril(torch.ones(9, 9, dtype=torch.bool)))]
     try:
         logits = {}
         for mode in ("rows", "shared"):
@@ -502,8 +504,9 @@ def test_vnni_kernels_give_the_same_bits_as_the_avx2_ones(tmp_path):
 def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
     """Every groups-per-pass choice of the AVX-512 passes, at every tile size and at row counts
     that split into several tiles, equals the 8-lane passes bit for bit (200 outputs: 13 groups,
-    so the last unit of 2, 3 or 4 groups is short; a bias on one of them). The 8-bit-activation
-    kinds (AVX-512 VNNI) get rows whose blocks reach the rounding's +-127 and hold zeros."""
+    so the last unit of 2, 3 or 4 groups is short; a bias on one of them), with and without
+    the L2 prefetch of the passes of 3 rows or more. The 8-bit-activation kinds (AVX-512 VNNI)
+    get rows whose blocks reach the rounding's +-127 and hold zeros."""
     if not native.wide_available(kind):
         pytest.skip(f"these kernels were built without the AVX-512 passes for {kind}")
     weight, _ = quantised(kind[:4], 200, 96, seed=5)
@@ -511,6 +514,7 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
         weight = weight.with_int8_activations()
     biased = weight.with_bias(torch.randn(200))
     torch.manual_seed(1)
+    chosen = native.prefetch_blocks()
     try:
         for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
             x = torch.randn(n, 96) * torch.logspace(-2, 2, 96)  # blocks of very different scales
@@ -522,9 +526,14 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
                 reference = w(x)
                 for g in native.wide_options(tile)[1:]:
                     native.set_wide(kind, [g if r == tile else 0 for r in range(1, native.WIDE_ROWS + 1)])
-                    assert torch.equal(w(x), reference), f"{n} rows, {g} groups per pass"
+                    for ahead in (0, 1, 24):
+                        native.set_prefetch(ahead)
+                        assert torch.equal(w(x), reference), f"{n} rows, {g} groups per pass, prefetch {ahead}"
     finally:
         native.set_wide(kind, [1] * native.WIDE_ROWS)
+        native.set_prefetch(chosen)
+    with pytest.raises(ValueError, match="blocks ahead"):
+        native.set_prefetch(-1)
 
 
 @pytest.mark.skipif(not native.wide_available(), reason="these kernels were built without the AVX-512 passes")

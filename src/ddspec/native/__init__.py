@@ -320,6 +320,10 @@ def library() -> ctypes.CDLL | None:
     lib.dd_get_wide_groups.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
+    lib.dd_set_prefetch.argtypes = [ctypes.c_int]
+    lib.dd_set_prefetch.restype = ctypes.c_int
+    lib.dd_get_prefetch.argtypes = []
+    lib.dd_get_prefetch.restype = ctypes.c_int
     _lib = lib
     return lib
 
@@ -626,6 +630,46 @@ def wide_choice() -> dict[str, list[int]]:
             for kind, i in WIDE_KINDS.items() if wide_available(kind)}
 
 
+PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the AVX-512 passes of 3 rows or more may prefetch (0: none)
+
+
+def set_prefetch(blocks: int) -> None:
+    """Have the AVX-512 passes of 3 rows or more prefetch the weight blocks ``blocks`` ahead into the L2
+    cache (0: leave it to the hardware). The same bits whatever it is; only the time differs."""
+    lib = library()
+    if lib is None or lib.dd_set_prefetch(int(blocks)):
+        raise ValueError(f"cannot prefetch {blocks} blocks ahead (0 .. 256, with the kernels built)")
+
+
+def prefetch_blocks() -> int:
+    """The blocks ahead the AVX-512 passes of 3 rows or more prefetch now (0: none)."""
+    lib = library()
+    return 0 if lib is None else lib.dd_get_prefetch()
+
+
+def measure_prefetch(weights: list[NativeWeight], rows: tuple[int, ...] = (4, 8), reps: int = 9) -> int:
+    """The option of PREFETCH_OPTIONS that multiplies tiles of ``rows`` rows by all of ``weights`` (a
+    model's streamed weights, any kinds) fastest here, by the sum of each row count's median:
+    interleaved rounds, rotated order, after a warm-up round. Leaves that choice set."""
+    import statistics
+
+    times: dict[tuple[int, int], list[float]] = {(n, b): [] for n in rows for b in PREFETCH_OPTIONS}
+    for n in rows:
+        xs = [torch.randn(n, w.in_features) for w in weights]
+        for r in range(reps + 1):
+            order = PREFETCH_OPTIONS[r % len(PREFETCH_OPTIONS):] + PREFETCH_OPTIONS[:r % len(PREFETCH_OPTIONS)]
+            for b in order:
+                set_prefetch(b)
+                t0 = time.perf_counter()
+                for w, x in zip(weights, xs):
+                    w(x)
+                if r:
+                    times[(n, b)].append(time.perf_counter() - t0)
+    best = min(PREFETCH_OPTIONS, key=lambda b: sum(statistics.median(times[(n, b)]) for n in rows))
+    set_prefetch(best)
+    return best
+
+
 def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     """For each tile size 1..WIDE_ROWS, the groups per pass (of :func:`wide_options`) that multiply
     the rows by all of ``weights`` (one kind) fastest here: interleaved rounds, rotated order,
@@ -658,7 +702,9 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
     of that kind}, or a function returning that, called only when there is something to measure;
     ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function): the cached choice
     for this CPU, kernel build, thread count and shapes, else measured now (a few seconds, once) and
-    cached unless other programs took the CPU meanwhile. Without the AVX-512 passes, nothing (every
+    cached unless other programs took the CPU meanwhile. Then also how far ahead the passes of 3 rows
+    or more prefetch (:func:`measure_prefetch`, on the weights of the kinds whose shapes do not start
+    with "head ": those a forward streams from memory). Without the AVX-512 passes, nothing (every
     choice is 0). The results are the same bits whatever the choice; only the time differs."""
     import json
 
@@ -670,13 +716,14 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
     shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v and wide_available(k)}
     if not shapes:
         return {}
-    key = {"format": 2, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
+    key = {"format": 3, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
     path = cache_root() / "kernels" / ("wide-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
     try:
         data = json.loads(path.read_text())
         if data.get("key") == key:
             for kind, groups in data["groups"].items():
                 set_wide(kind, groups)
+            set_prefetch(data["prefetch"])
             return data["groups"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, stale or unreadable: measure
@@ -685,10 +732,13 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
     print("ddspec: timing the AVX-512 kernel passes on this CPU (once, cached)", file=sys.stderr)
     others = OtherLoad()
     chosen = {kind: measure_wide(weights[kind]) for kind in shapes if weights.get(kind)}
+    streamed = [w for kind in shapes if not all(s.startswith("head ") for s in shapes[kind]) for w in weights.get(kind, [])]
+    prefetch = measure_prefetch(streamed) if streamed else 0
     if others.too_busy() is None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, {"key": key, "groups": chosen, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+            write_json_atomic(path, {"key": key, "groups": chosen, "prefetch": prefetch,
+                                     "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
         except OSError:
             pass  # measured again next time
     return chosen
