@@ -149,7 +149,8 @@ def _native_parts(blocks: dict | None, kernels: set[str]):
 
 def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
                           cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
-                          first: int = 0, array=None, extra: torch.Tensor | None = None) -> torch.Tensor:
+                          first: int = 0, array=None, extra: torch.Tensor | None = None,
+                          final_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The decoder layers through ``dd_layers_forward``, in place on x [N, H]: one C call for all
     of them, which also copies the residual streams of ``hidden_layers`` out on the way.
 
@@ -159,7 +160,9 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
     array: ``native.layer_array`` of the layers' structs, when the caller keeps one (``layers``
     may then be None).
     extra: [N, width] rows that layers built with ``extra`` read before their normed input (an
-    EAGLE-3 midlayer's normed embeddings)."""
+    EAGLE-3 midlayer's normed embeddings).
+    final_norm: (weight [H], epsilon) of an RMSNorm applied to x after the last layer, in the same
+    C call (x is then the normed output)."""
     from ddspec.native import layer_array, layers_forward
 
     x = x.contiguous()
@@ -169,7 +172,7 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
     count = len(array)
     capture = {i: torch.empty_like(x) for i in hidden_layers if 0 <= i < count}
     layers_forward(array, x, positions, rotary.cos, rotary.sin, cache.keys[first:first + count, 0],
-                   cache.values[first:first + count, 0], cache.length, mask, extra, capture)
+                   cache.values[first:first + count, 0], cache.length, mask, extra, capture, final_norm)
     if capture:
         hidden.update(capture)
     return x
@@ -310,6 +313,7 @@ class NativeLlama:
         w = {k.removeprefix("model."): v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed_tokens = w["embed_tokens.weight"]  # [V, H]
         self.norm = w["norm.weight"]
+        self._final_norm_c = (self.norm.float().contiguous(), float(self.arch.rms_eps))  # the native forward's own
         head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self._lm_head_oi = head  # [V, H] (the embeddings when tied: no copy)
         self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
@@ -499,10 +503,9 @@ class NativeLlama:
         x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
         hidden: dict[int, torch.Tensor] = {}
         if self.layer_plan.kernel(n) == "native":
-            x = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers, hidden,
-                                      array=self._layer_array)
+            features = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers,
+                                             hidden, array=self._layer_array, final_norm=self._final_norm_c)
             cache.advance(n)
-            features = self.final_norm(x)
             if self.arch.num_layers in hidden_layers:
                 hidden[self.arch.num_layers] = features
             return TargetOutput(self.lm_head(features[-1:] if last_logits else features), features, hidden)

@@ -306,7 +306,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                      ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_float]
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64
@@ -575,11 +576,13 @@ def set_attention(mode: str) -> None:
 def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    mask: torch.Tensor | None, extra: torch.Tensor | None = None,
-                   capture: dict[int, torch.Tensor] | None = None) -> None:
+                   capture: dict[int, torch.Tensor] | None = None,
+                   final_norm: tuple[torch.Tensor, float] | None = None) -> None:
     """Every layer of ``array`` in order, in place on x [n, H], in one C call. keys/values: the
     caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
     extra: [n, E] fp32 contiguous, for layers built with ``extra=E``. capture: {i: out} with out
-    [n, H] fp32 contiguous, filled with x as it enters layer i."""
+    [n, H] fp32 contiguous, filled with x as it enters layer i. final_norm: (weight [H] fp32
+    contiguous, epsilon) of an RMSNorm applied to x after the last layer, in the same call."""
     n, count = x.shape[0], len(array)
     slots = None
     if capture:
@@ -588,7 +591,7 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
         array, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
         None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr(),
-        slots)
+        slots, None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1])
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")
