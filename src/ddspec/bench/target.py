@@ -136,25 +136,30 @@ def time_hf_generate(model, ids: list[int], n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def forward_times(target, prefix: int, sizes=SIZES, reps: int = 7) -> dict[int, float]:
-    """Median ms of one forward over N new tokens (causal among themselves) after `prefix` tokens."""
+def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int, float]:
+    """Median ms of one forward over N new tokens (causal among themselves) after `prefix` tokens.
+
+    The sizes are interleaved: each of ``reps`` rounds (after a warm-up round) times every N once,
+    in an order rotated every round, so that a change in the machine's speed during the run (this
+    VM's moves from minute to minute) lands on every N alike instead of on the ratios between them."""
     gen = torch.Generator().manual_seed(0)
     vocab = target.info.vocab_size
     target.reset(prefix + max(sizes) + 1)
     target.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
     target.commit(torch.arange(prefix))
-    result = {}
-    for n in sizes:
-        tokens = torch.randint(0, vocab, (n,), generator=gen)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()
-        times = []
-        for _ in range(reps + 1):
+    sizes = list(sizes)
+    inputs = {n: (torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_())
+              for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(reps + 1):
+        for n in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
+            tokens, mask = inputs[n]
             t = time.perf_counter()
             target.forward(tokens, prefix + torch.arange(n), mask)
-            times.append(time.perf_counter() - t)
+            if r:
+                times[n].append(time.perf_counter() - t)
             target.truncate(prefix)
-        result[n] = statistics.median(times[1:]) * 1e3
-    return result
+    return {n: statistics.median(times[n]) * 1e3 for n in sizes}
 
 
 LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{read_floor_ms:.1f} ms/token ({1e3 / read_floor_ms:.0f} tokens/s); native reaches "
         f"{read_floor_ms / (1e3 / ours_med) * 100:.0f}% of that.",
         "",
-        "Target forward over N new tokens after a 256-token prefix (ms, median):",
+        "Target forward over N new tokens after a 256-token prefix (ms, median of 15 rounds, the sizes interleaved):",
         "",
         "| N | " + " | ".join(str(n) for n in SIZES) + " |",
         "|---|" + "---|" * len(SIZES),
