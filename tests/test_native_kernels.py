@@ -536,8 +536,9 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
         native.set_prefetch(-1)
 
 
-@pytest.mark.skipif(not native.wide_available(), reason="these kernels were built without the AVX-512 passes")
-def test_the_avx512_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+@pytest.mark.skipif(not native.available(), reason="no native kernels here")
+def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
+    """The AVX-512 passes' groups (where the build has them) and the prefetch distance (always)."""
     monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
     weights = {"q4_1": [quantised("q4_1", 64, 64, seed=2)[0]], "q8_0": [quantised("q8_0", 48, 64, seed=3)[0]]}
     weights.update({f"{k}a8": [w.with_int8_activations() for w in ws] for k, ws in list(weights.items())})
@@ -550,7 +551,11 @@ def test_the_avx512_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     if not cached:
         pytest.skip("other programs used the CPU while timing: the choice was not cached")
     monkeypatch.setattr(native, "measure_wide", lambda ws: pytest.fail("measured again"))
-    assert native.choose_wide(weights) == chosen
+    monkeypatch.setattr(native, "measure_prefetch", lambda ws: pytest.fail("measured again"))
+    ahead = native.prefetch_blocks()
+    assert ahead in native.PREFETCH_OPTIONS
+    native.set_prefetch(0)
+    assert native.choose_wide(weights) == chosen and native.prefetch_blocks() == ahead  # read back from the cache
 
 
 def test_bench_reports_name_the_kernels_that_ran():

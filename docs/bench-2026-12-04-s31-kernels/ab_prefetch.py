@@ -1,13 +1,20 @@
-"""A/B in one process: the AVX-512 passes' L2 prefetch off vs the measured choice; forward over N tokens after 256."""
+"""A/B in one process: the quantised passes' L2 prefetch off vs the measured choice (or the blocks ahead given);
+the forward over N tokens after 256, interleaved, medians. Usage: python ab_prefetch.py int8|fp32 REPS [8lane] [BLOCKS]
+(8lane: the AVX-512 passes switched off, as on a CPU without AVX-512)."""
 import statistics, sys, time, torch
 torch.set_num_threads(2)
 from ddspec import native
 from ddspec.machine import cpu_name
 from ddspec.models.loading import load_target
-act = sys.argv[1]; reps = int(sys.argv[2])
+act = sys.argv[1]; reps = int(sys.argv[2]); lanes8 = "8lane" in sys.argv[3:]
 target = load_target("default", impl="native", activations=act)
 chosen = native.prefetch_blocks()
-print(f"cpu: {cpu_name()}; {act}; prefetch chosen at load: {chosen}")
+if lanes8:
+    for kind in native.wide_choice():
+        native.set_wide(kind, [0] * native.WIDE_ROWS)
+if len(sys.argv) > 4:
+    chosen = int(sys.argv[4])
+print(f"cpu: {cpu_name()}; {act}; {'8-lane passes' if lanes8 else 'AVX-512 passes as chosen'}; prefetch: {chosen} blocks ahead")
 gen = torch.Generator().manual_seed(0)
 prefix = 256
 target.reset(prefix + 80)

@@ -305,8 +305,9 @@ def native_kernels_line() -> str:
     wide = native.wide_choice()
     if wide:
         parts.append("AVX-512 passes (groups per pass by rows 1-8: " + "; ".join(
-            f"{kind} {','.join(map(str, groups))}" for kind, groups in wide.items()) + ", 0 = 8-lane; "
-            + (f"L2 prefetch {native.prefetch_blocks()} blocks ahead from 3 rows)" if native.prefetch_blocks() else "no L2 prefetch)"))
+            f"{kind} {','.join(map(str, groups))}" for kind, groups in wide.items()) + ", 0 = 8-lane)")
+    ahead = native.prefetch_blocks()
+    parts.append(f"L2 prefetch {ahead} blocks ahead from 3 rows" if ahead else "no L2 prefetch")
     return ", ".join(parts) + f"; build {native.build_id()}"
 
 

@@ -348,8 +348,9 @@ class NativeLlama:
         return native_weights(gguf, w, orders_path(Path(gguf)))
 
     def _choose_wide(self, blocks: dict, head_name: str) -> None:
-        """Where the kernels have AVX-512 passes, which to run for each row count of the blocks'
-        kinds: measured once per machine (cached) on the layers' weights stacked as the layers
+        """How far ahead the quantised passes prefetch and, where the kernels have AVX-512 passes,
+        which to run for each row count of the blocks' kinds: measured once per machine (cached) on
+        the layers' weights stacked as the layers
         multiply them, as many layers as make WIDE_TIMING_BYTES (more than a CPU's caches hold,
         as in a forward, which streams every layer from memory), and on the lm_head. Where the
         kernels also have the passes for 8-bit activations and the target does not use the
@@ -357,7 +358,7 @@ class NativeLlama:
         weights (a head's working set, which stays in the caches between its levels)."""
         from ddspec import native
 
-        if not blocks or not native.wide_available():
+        if not blocks or not native.available():
             return
         groups = [names for i in range(self.arch.num_layers) for names in stacked_names(f"layers.{i}.")
                   if all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1]

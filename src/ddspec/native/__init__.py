@@ -633,19 +633,20 @@ def wide_choice() -> dict[str, list[int]]:
             for kind, i in WIDE_KINDS.items() if wide_available(kind)}
 
 
-PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the AVX-512 passes of 3 rows or more may prefetch (0: none)
+PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the quantised passes of 3 rows or more may prefetch (0: none)
 
 
 def set_prefetch(blocks: int) -> None:
-    """Have the AVX-512 passes of 3 rows or more prefetch the weight blocks ``blocks`` ahead into the L2
-    cache (0: leave it to the hardware). The same bits whatever it is; only the time differs."""
+    """Have the quantised passes (Q4_1 / Q8_0 blocks, with fp32 or 8-bit activations) of 3 rows or more
+    prefetch the weight blocks ``blocks`` ahead into the L2 cache (0: leave it to the hardware). The
+    same bits whatever it is; only the time differs."""
     lib = library()
     if lib is None or lib.dd_set_prefetch(int(blocks)):
         raise ValueError(f"cannot prefetch {blocks} blocks ahead (0 .. 256, with the kernels built)")
 
 
 def prefetch_blocks() -> int:
-    """The blocks ahead the AVX-512 passes of 3 rows or more prefetch now (0: none)."""
+    """The blocks ahead the quantised passes of 3 rows or more prefetch now (0: none)."""
     lib = library()
     return 0 if lib is None else lib.dd_get_prefetch()
 
@@ -703,20 +704,25 @@ def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
 def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
     """Set the AVX-512 passes' groups per pass for each kind in ``weights`` ({kind: a model's weights
     of that kind}, or a function returning that, called only when there is something to measure;
-    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function): the cached choice
-    for this CPU, kernel build, thread count and shapes, else measured now (a few seconds, once) and
-    cached unless other programs took the CPU meanwhile. Then also how far ahead the passes of 3 rows
-    or more prefetch (:func:`measure_prefetch`, on the weights of the kinds whose shapes do not start
-    with "head ": those a forward streams from memory). Without the AVX-512 passes, nothing (every
-    choice is 0). The results are the same bits whatever the choice; only the time differs."""
+    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function), and how far ahead
+    the quantised passes of 3 rows or more prefetch (:func:`measure_prefetch`, on the weights of
+    the kinds whose shapes do not start with "head ": those a forward streams from memory): the
+    cached choice for this CPU, kernel build, thread count and shapes, else measured now (a few
+    seconds, once) and cached unless other programs took the CPU meanwhile. Without the AVX-512
+    passes only the prefetch is chosen (every groups choice is 0). The results are the same bits
+    whatever the choice; only the time differs. Returns the groups chosen by kind ({} without
+    the AVX-512 passes)."""
     import json
 
     from ddspec.fileio import write_json_atomic
     from ddspec.machine import OtherLoad, cache_root, cpu_name
 
+    if library() is None:
+        return {}
     if shapes is None:
         shapes = {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items() if v}
-    shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v and wide_available(k)}
+    shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v}  # the quantised kinds
+    wide = [k for k in shapes if wide_available(k)]
     if not shapes:
         return {}
     key = {"format": 3, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
@@ -732,9 +738,9 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
         pass  # missing, stale or unreadable: measure
     if callable(weights):
         weights = weights()
-    print("ddspec: timing the AVX-512 kernel passes on this CPU (once, cached)", file=sys.stderr)
+    print("ddspec: timing the kernel passes on this CPU (once, cached)", file=sys.stderr)
     others = OtherLoad()
-    chosen = {kind: measure_wide(weights[kind]) for kind in shapes if weights.get(kind)}
+    chosen = {kind: measure_wide(weights[kind]) for kind in wide if weights.get(kind)}
     streamed = [w for kind in shapes if not all(s.startswith("head ") for s in shapes[kind]) for w in weights.get(kind, [])]
     prefetch = measure_prefetch(streamed) if streamed else 0
     if others.too_busy() is None:

@@ -282,6 +282,24 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
             store_group(W, g, _mm256_loadu_ps(acc + r * 16), _mm256_loadu_ps(acc + r * 16 + 8), y + r * ldy, accumulate); \
     }
 
+/* Blocks ahead (0: none) that the quantised passes of PREFETCH_ROWS rows or more ask the L2 cache
+ * to fetch, besides the hardware's own prefetching: with several rows a pass spends long enough on
+ * each block that the hardware's streams fall behind. Measured on the AMD EPYC family 26 machine
+ * (the int8 target's forward after 256 tokens, interleaved medians of 41): 24 blocks ahead made
+ * 4 / 8 / 16 tokens 0.92x / 0.85x / 0.87x as long (fp32 activations: 0.90x / 0.81x / 0.79x), 1-2
+ * rows no faster (1-4% slower); with the AVX-512 passes switched off (the 8-lane passes, as on
+ * an AVX2-only CPU) 0.96-0.98x / 0.83-0.85x / 0.84-0.89x (fp32 0.96-0.99x / 0.85-0.89x /
+ * 0.93-0.96x; two runs). Python sets it from a
+ * measurement on the machine at hand (native.choose_wide); the same bits whatever it is. */
+extern DD_HIDDEN int dd_prefetch_blocks;
+#define PREFETCH_ROWS 3
+#define PREFETCH_AHEAD(R, blk, bytes)                                                               \
+    do {                                                                                            \
+        if ((R) >= PREFETCH_ROWS && dd_prefetch_blocks)                                             \
+            for (int l_ = 0; l_ < (bytes); l_ += 64)                                                \
+                _mm_prefetch((const char *)(blk) + dd_prefetch_blocks * (bytes) + l_, _MM_HINT_T1); \
+    } while (0)
+
 /* Quantised: rows [0, R) of x against group g, block by block (see levels_at). */
 #define QPASS(KIND_ID, KIND, R)                                                                     \
     static void qpass_##KIND##_##R(const dd_weight *W, int64_t g, const float *x, int64_t ldx,      \
@@ -293,6 +311,7 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
             __m256 s0[R], s1[R];                                                                    \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_ps(); \
             const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
+            PREFETCH_AHEAD(R, blk, BLOCK_BYTES(KIND_ID));                                           \
             for (int64_t kk = 0; kk < 32; kk++) {                                                   \
                 __m256 q0, q1;                                                                      \
                 levels_at(KIND_ID, blk, kk, &q0, &q1);                                              \
@@ -430,15 +449,6 @@ BUF_TILE(1) BUF_TILE(2) BUF_TILE(3) BUF_TILE(4) BUF_TILE(5) BUF_TILE(6)
 /* groups per pass by kind (0: Q4_1, 1: Q8_0, 2: Q4_1_A8, 3: Q8_0_A8) and rows in the largest tile
  * (1 .. WIDE_TILE); 0: the 8-lane passes */
 extern DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
-/* Blocks ahead (0: none) that the AVX-512 passes of PREFETCH_ROWS rows or more ask the L2 cache
- * to fetch, besides the hardware's own prefetching: with several rows a pass spends long enough on
- * each block that the hardware's streams fall behind. Measured on the AMD EPYC family 26 machine
- * (the int8 target's forward after 256 tokens, interleaved medians of 41): 24 blocks ahead made
- * 4 / 8 / 16 tokens 0.92x / 0.85x / 0.87x as long (fp32 activations: 0.90x / 0.81x / 0.79x), 1-2
- * rows no faster (1-4% slower). Python sets it from a measurement on the machine at hand
- * (native.choose_wide); the results are the same bits whatever it is. */
-extern DD_HIDDEN int dd_prefetch_blocks;
-#define PREFETCH_ROWS 3
 
 static inline int wide_index(int64_t kind) {
     return kind == DD_Q4_1 ? 0 : kind == DD_Q8_0 ? 1 : kind == DD_Q4_1_A8 ? 2 : 3;
@@ -473,8 +483,7 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
             const uint8_t *blk = W->qs + (g * nb + b) * BLOCK_BYTES(KIND_ID);                       \
-            if (R >= PREFETCH_ROWS && dd_prefetch_blocks) _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) \
-                for (int l = 0; l < BLOCK_BYTES(KIND_ID); l += 64) _mm_prefetch((const char *)blk + j * next + dd_prefetch_blocks * BLOCK_BYTES(KIND_ID) + l, _MM_HINT_T1); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) PREFETCH_AHEAD(R, blk + j * next, BLOCK_BYTES(KIND_ID)); \
             __m512 s[R * G];                                                                        \
             _Pragma("GCC unroll 16") for (int j = 0; j < R * G; j++) s[j] = _mm512_setzero_ps();    \
             for (int64_t kk = 0; kk < 32; kk++) {                                                   \
@@ -780,8 +789,7 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
             const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
             _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                                     \
                 for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + j * next + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
-            if (R >= PREFETCH_ROWS && dd_prefetch_blocks) _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) \
-                for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + j * next + dd_prefetch_blocks * BYTES + l, _MM_HINT_T1); \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) PREFETCH_AHEAD(R, blk + j * next, BYTES); \
             __m512i s[C][R * G];                                                                    \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
                 const __m512i s0 = KIND_ID == DD_Q8_0_A8 ? _mm512_set1_epi32(-128 * sq[r * nb + b]) : _mm512_setzero_si512(); \
@@ -866,6 +874,7 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
         for (int64_t b = 0; b < nb; b++) {                                                          \
             const uint8_t *blk = W->qs + (g * nb + b) * 384;                                        \
             for (int l = 0; l < 384; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 384 + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, 384);                                                            \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
@@ -914,6 +923,7 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
         for (int64_t b = 0; b < nb; b++) {                                                          \
             const uint8_t *blk = W->qs + (g * nb + b) * 576;                                        \
             for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 576 + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, 576);                                                            \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
