@@ -315,20 +315,24 @@ def test_both_attention_passes_equal_the_torch_layer_and_each_other(tmp_path, sh
              (torch.tensor([9]), torch.tensor([75]), None),
              (torch.randint(0, 128, (5,), generator=gen), torch.tensor([76, 77, 77, 78, 78]), tree),
              (torch.randint(0, 128, (9,), generator=gen), torch.arange(79, 88), torch.tril(torch.ones(9, 9, dtype=torch.bool)))]
+    wide = native.attention_wide()  # as the model load chose it; restored below
     try:
         logits = {}
-        for mode in ("rows", "shared"):
+        for mode, lanes16 in (("rows", True), ("shared", True), ("shared", False)):
             native.set_attention(mode)
+            native.set_attention_wide(lanes16)
             for t in (reference, fused):
                 t.reset(96)
             for s, (tokens, positions, mask) in enumerate(steps):
                 ref, out = (t.forward(tokens, positions, mask) for t in (reference, fused))
                 assert (ref.logits - out.logits).abs().max() <= 2e-5 * ref.logits.abs().max(), (mode, s)
-                logits[mode, s] = out.logits
+                logits[mode, lanes16, s] = out.logits
         for s in range(len(steps)):
-            assert torch.equal(logits["rows", s], logits["shared", s])
+            assert torch.equal(logits["rows", True, s], logits["shared", True, s])
+            assert torch.equal(logits["shared", False, s], logits["shared", True, s])  # 8 or 16 lanes: same bits
     finally:
         native.set_attention("auto")
+        native.set_attention_wide(wide)
     with pytest.raises(KeyError):
         native.set_attention("fast")
 
@@ -556,6 +560,31 @@ def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert ahead in native.PREFETCH_OPTIONS
     native.set_prefetch(0)
     assert native.choose_wide(weights) == chosen and native.prefetch_blocks() == ahead  # read back from the cache
+
+
+def test_the_attention_lanes_are_measured_once_and_cached(tmp_path, monkeypatch):
+    """Where the build has the 16-lane attention passes, the faster setting is measured once per
+    CPU, build, threads and attention shape and read back after; without them, off."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    before = native.attention_wide()
+    calls = []
+    try:
+        def measure(answer):
+            calls.append(answer)
+            return answer
+        shape = {"heads": 4, "kv_heads": 2, "head_dim": 64}
+        got = native.choose_attention_wide(shape, lambda: measure(False))
+        if not native.wide_available():
+            assert got is False and calls == []
+            return
+        assert got is False and calls == [False]
+        if not list((tmp_path / "kernels").glob("attention-*.json")):
+            pytest.skip("other programs used the CPU while timing: the choice was not cached")
+        native.set_attention_wide(True)
+        assert native.choose_attention_wide(shape, lambda: measure(True)) is False and calls == [False]  # cached
+        assert native.choose_attention_wide({**shape, "head_dim": 32}, lambda: measure(True)) is True  # another shape
+    finally:
+        native.set_attention_wide(before)
 
 
 def test_bench_reports_name_the_kernels_that_ran():

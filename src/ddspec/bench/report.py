@@ -308,6 +308,8 @@ def native_kernels_line() -> str:
             f"{kind} {','.join(map(str, groups))}" for kind, groups in wide.items()) + ", 0 = 8-lane)")
     ahead = native.prefetch_blocks()
     parts.append(f"L2 prefetch {ahead} blocks ahead from 3 rows" if ahead else "no L2 prefetch")
+    if wide:
+        parts.append("attention on " + ("16" if native.attention_wide() else "8") + " lanes")
     return ", ".join(parts) + f"; build {native.build_id()}"
 
 

@@ -13,6 +13,8 @@ weight shapes, and cached (``<cache root>/kernels/``).
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -335,6 +337,44 @@ class NativeLlama:
             from ddspec.native import layer_array
 
             self._layer_array = layer_array([layer.fused for layer in self.layers])
+            self._choose_attention()
+
+    def _choose_attention(self, prefix: int = 256, sizes: tuple[int, ...] = (4, 8), reps: int = 9) -> None:
+        """Whether the native attention's shared passes run on 16 lanes (where the kernels have them):
+        measured once per machine (cached) as this model's forward over 4 and 8 tokens after
+        ``prefix``, both settings interleaved, by the sum of their medians. The same bits either way."""
+        import statistics
+
+        from ddspec import native
+
+        a = self.arch
+        if prefix + max(sizes) > a.max_position:
+            return
+
+        def measure() -> bool:
+            print("ddspec: timing the attention passes on this CPU (once, cached)", file=sys.stderr)
+            gen = torch.Generator().manual_seed(0)
+            vocab = self.info.vocab_size
+            self.reset(prefix + max(sizes))
+            self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+            times: dict[tuple[int, bool], list[float]] = {(n, w): [] for n in sizes for w in (False, True)}
+            try:
+                for n in sizes:
+                    tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
+                    for r in range(reps + 1):
+                        for wide in ((False, True) if r % 2 else (True, False)):
+                            native.set_attention_wide(wide)
+                            t0 = time.perf_counter()
+                            self.forward(tokens, prefix + torch.arange(n), mask)
+                            if r:
+                                times[(n, wide)].append(time.perf_counter() - t0)
+                            self.truncate(prefix)
+            finally:
+                self.cache = None
+            return sum(statistics.median(times[(n, True)]) - statistics.median(times[(n, False)]) for n in sizes) < 0
+
+        native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
+                                      "layers": a.num_layers, "hidden": a.hidden_size}, measure)
 
     def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -410,7 +450,6 @@ class NativeLlama:
                       blocks: dict) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
         few layers' own weights and on the lm_head."""
-        import sys
 
         if blocks is not self.blocks:  # int8 activations: every matmul of the blocks on those kernels, one model
             forced = forced_kernel()

@@ -321,6 +321,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_get_wide_groups.restype = ctypes.c_int
     lib.dd_set_attention.argtypes = [ctypes.c_int]
     lib.dd_set_attention.restype = ctypes.c_int
+    lib.dd_set_attention_wide.argtypes = [ctypes.c_int]
+    lib.dd_set_attention_wide.restype = ctypes.c_int
     lib.dd_set_prefetch.argtypes = [ctypes.c_int]
     lib.dd_set_prefetch.restype = ctypes.c_int
     lib.dd_get_prefetch.argtypes = []
@@ -571,6 +573,50 @@ def set_attention(mode: str) -> None:
     lib = library()
     if lib is None or lib.dd_set_attention(ATTENTION_MODES[mode]):
         raise ValueError(f"cannot set the attention mode {mode!r}")
+
+
+def set_attention_wide(on: bool) -> bool:
+    """Run the shared attention's passes on 16 lanes where the build has AVX-512F (``on``) or on 8;
+    the same bits either way. Returns whether the 16-lane passes are in use now."""
+    lib = library()
+    return bool(lib is not None and lib.dd_set_attention_wide(int(bool(on))))
+
+
+def attention_wide() -> bool:
+    """Whether the shared attention's passes run on 16 lanes now."""
+    lib = library()
+    return bool(lib is not None and lib.dd_set_attention_wide(-1))
+
+
+def choose_attention_wide(shape: dict, measure) -> bool:
+    """Whether the shared attention runs on 16 lanes here: the cached answer for this CPU, kernel
+    build, thread count and attention ``shape`` (a dict naming it), else ``measure()`` (a function
+    that times both settings and returns the faster) now, cached unless other programs took the
+    CPU meanwhile. Sets it either way; without 16-lane passes in the build, off."""
+    import json
+
+    from ddspec.fileio import write_json_atomic
+    from ddspec.machine import OtherLoad, cache_root, cpu_name
+
+    if not wide_available():
+        return set_attention_wide(False)
+    key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shape": shape}
+    path = cache_root() / "kernels" / ("attention-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key and isinstance(data.get("wide"), bool):
+            return set_attention_wide(data["wide"])
+    except (OSError, ValueError):
+        pass  # missing, stale or unreadable: measure
+    others = OtherLoad()
+    wide = set_attention_wide(bool(measure()))
+    if others.too_busy() is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"key": key, "wide": wide, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
+        except OSError:
+            pass  # measured again next time
+    return wide
 
 
 def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

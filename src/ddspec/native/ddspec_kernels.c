@@ -1366,13 +1366,18 @@ static const pvz_pass pvz_passes[ZQTILE] = {pvz_1, pvz_2, pvz_3, pvz_4, pvz_5, p
  *     with AVX-512 (kv head, 32 of D) on 16 lanes, 12 queries a pass (at 8 tokens after 256, AMD
  *     EPYC family 26: the values pass 0.88 -> 0.58 ms per forward, the same bits).
  * Every sum runs in an order fixed by T and D alone: the result does not depend on the threads. */
+/* Whether attention_shared's passes run on 16 lanes where the build has them (1) or on 8 (0): the
+ * same bits either way; Python sets it from a measurement on the machine at hand
+ * (NativeLlama._choose_attention), since their speed was timed on one CPU (AMD Zen 5) only. */
+static int attention_wide = 1;
+
 static void attention_shared(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
                              const float *kc, const float *vc, int64_t tmax, int64_t T, const uint8_t *mask,
                              float scale, float *S, float *out) {
     const int64_t group = nh / nkv, rows = n * nh, chunks = (T + KEY_CHUNK - 1) / KEY_CHUNK;
     float *inv = S + rows * T;
 #if defined(__AVX512F__)
-    if (D % 8 == 0 && D <= 128 && n * group >= ZSCORES_FROM) {
+    if (attention_wide && D % 8 == 0 && D <= 128 && n * group >= ZSCORES_FROM) {
         const int64_t zchunks = (T + ZKEY_CHUNK - 1) / ZKEY_CHUNK, nq = n * group;
         const float *q[64];
         float *srow[64];
@@ -1420,7 +1425,7 @@ static void attention_shared(const float *qkv, int64_t wqkv, int64_t n, int64_t 
         return;
     }
 #if defined(__AVX512F__)
-    if (D % 32 == 0) { /* 16 lanes: units = (kv head, 32 of D) */
+    if (attention_wide && D % 32 == 0) { /* 16 lanes: units = (kv head, 32 of D) */
         const int64_t zparts = D / 32;
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < nkv * zparts; u++) {
@@ -1575,6 +1580,13 @@ int dd_set_attention(int mode) {
     if (mode < 0 || mode > 2) return 1;
     attention_mode = mode;
     return 0;
+}
+
+/* attention_shared on 16 lanes (1, where the build has AVX-512F) or 8 (0), unchanged for -1;
+ * returns the setting in force. */
+int dd_set_attention_wide(int on) {
+    if (on >= 0) attention_wide = DD_WIDE && on;
+    return attention_wide;
 }
 
 /* Floats of scratch one layer needs for n new tokens over T keys. */
