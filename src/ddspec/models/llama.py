@@ -355,10 +355,10 @@ class NativeLlama:
             print("ddspec: timing the attention passes on this CPU (once, cached)", file=sys.stderr)
             gen = torch.Generator().manual_seed(0)
             vocab = self.info.vocab_size
-            self.reset(prefix + max(sizes))
-            self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
             times: dict[tuple[int, bool], list[float]] = {(n, w): [] for n in sizes for w in (False, True)}
             try:
+                self.reset(prefix + max(sizes))
+                self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
                 for n in sizes:
                     tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
                     for r in range(reps + 1):
@@ -450,7 +450,6 @@ class NativeLlama:
                       blocks: dict) -> tuple[KernelPlan, KernelPlan]:
         """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
         few layers' own weights and on the lm_head."""
-
         if blocks is not self.blocks:  # int8 activations: every matmul of the blocks on those kernels, one model
             forced = forced_kernel()
             if forced not in (None, "native"):
