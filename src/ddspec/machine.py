@@ -100,3 +100,23 @@ class OtherLoad:
         """The share when it exceeds BUSY_SHARE (a timing then is not kept for later runs), else None."""
         share = self.share()
         return share if share is not None and share > BUSY_SHARE else None
+
+
+def interleaved_medians(options, run, reps: int, setup=None) -> dict:
+    """{option: median seconds of ``run(option)``} over ``reps`` rounds after a warm-up round, every
+    round timing each option once, in an order rotated from round to round (a change in the
+    machine's speed during the timing then lands on every option alike). ``setup(option)``, when
+    given, runs before each timed call, untimed."""
+    import statistics
+
+    options = list(options)
+    times: dict = {o: [] for o in options}
+    for r in range(reps + 1):
+        for o in options[r % len(options):] + options[:r % len(options)]:
+            if setup is not None:
+                setup(o)
+            t0 = time.perf_counter()
+            run(o)
+            if r:
+                times[o].append(time.perf_counter() - t0)
+    return {o: statistics.median(v) for o, v in times.items()}

@@ -139,27 +139,23 @@ def time_hf_generate(model, ids: list[int], n: int) -> float:
 def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int, float]:
     """Median ms of one forward over N new tokens (causal among themselves) after `prefix` tokens.
 
-    The sizes are interleaved: each of ``reps`` rounds (after a warm-up round) times every N once,
-    in an order rotated every round, so that a change in the machine's speed during the run (this
-    VM's moves from minute to minute) lands on every N alike instead of on the ratios between them."""
+    The sizes are interleaved (:func:`~ddspec.machine.interleaved_medians`): each of ``reps`` rounds
+    (after a warm-up round) times every N once, in an order rotated every round, so that a change in
+    the machine's speed during the run (this VM's moves from minute to minute) lands on every N
+    alike instead of on the ratios between them."""
+    from ddspec.machine import interleaved_medians
+
     gen = torch.Generator().manual_seed(0)
     vocab = target.info.vocab_size
     target.reset(prefix + max(sizes) + 1)
     target.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
     target.commit(torch.arange(prefix))
-    sizes = list(sizes)
     inputs = {n: (torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_())
               for n in sizes}
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for r in range(reps + 1):
-        for n in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
-            tokens, mask = inputs[n]
-            t = time.perf_counter()
-            target.forward(tokens, prefix + torch.arange(n), mask)
-            if r:
-                times[n].append(time.perf_counter() - t)
-            target.truncate(prefix)
-    return {n: statistics.median(times[n]) * 1e3 for n in sizes}
+    medians = interleaved_medians(sizes, lambda n: target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1]),
+                                  reps, setup=lambda n: target.truncate(prefix))
+    target.truncate(prefix)
+    return {n: m * 1e3 for n, m in medians.items()}
 
 
 LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)

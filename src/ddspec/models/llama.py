@@ -343,9 +343,8 @@ class NativeLlama:
         """Whether the native attention's shared passes run on 16 lanes (where the kernels have them):
         measured once per machine (cached) as this model's forward over 4 and 8 tokens after
         ``prefix``, both settings interleaved, by the sum of their medians. The same bits either way."""
-        import statistics
-
         from ddspec import native
+        from ddspec.machine import interleaved_medians
 
         a = self.arch
         if prefix + max(sizes) > a.max_position:
@@ -355,23 +354,23 @@ class NativeLlama:
             print("ddspec: timing the attention passes on this CPU (once, cached)", file=sys.stderr)
             gen = torch.Generator().manual_seed(0)
             vocab = self.info.vocab_size
-            times: dict[tuple[int, bool], list[float]] = {(n, w): [] for n in sizes for w in (False, True)}
             try:
                 self.reset(prefix + max(sizes))
                 self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+                gain = 0.0  # seconds the 16 lanes save, summed over the sizes
                 for n in sizes:
                     tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
-                    for r in range(reps + 1):
-                        for wide in ((False, True) if r % 2 else (True, False)):
-                            native.set_attention_wide(wide)
-                            t0 = time.perf_counter()
-                            self.forward(tokens, prefix + torch.arange(n), mask)
-                            if r:
-                                times[(n, wide)].append(time.perf_counter() - t0)
-                            self.truncate(prefix)
+
+                    def setup(wide: bool) -> None:
+                        native.set_attention_wide(wide)
+                        self.truncate(prefix)
+
+                    medians = interleaved_medians((True, False), lambda _: self.forward(tokens, prefix + torch.arange(n), mask),
+                                                  reps, setup=setup)
+                    gain += medians[False] - medians[True]
             finally:
                 self.cache = None
-            return sum(statistics.median(times[(n, True)]) - statistics.median(times[(n, False)]) for n in sizes) < 0
+            return gain > 0
 
         native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                                       "layers": a.num_layers, "hidden": a.hidden_size}, measure)

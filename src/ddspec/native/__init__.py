@@ -592,31 +592,20 @@ def choose_attention_wide(shape: dict, measure) -> bool:
     """Whether the shared attention runs on 16 lanes here: the cached answer for this CPU, kernel
     build, thread count and attention ``shape`` (a dict naming it), else ``measure()`` (a function
     that times both settings and returns the faster) now, cached unless other programs took the
-    CPU meanwhile. Sets it either way; without 16-lane passes in the build, off."""
-    import json
-
-    from ddspec.fileio import write_json_atomic
-    from ddspec.machine import OtherLoad, cache_root, cpu_name
+    CPU meanwhile (:func:`_cached_choice`). Sets it either way; without 16-lane passes in the build, off."""
+    from ddspec.machine import cpu_name
 
     if not wide_available():
         return set_attention_wide(False)
+
+    def apply(data: dict) -> None:
+        if not isinstance(data["wide"], bool):
+            raise TypeError("not a choice")
+        set_attention_wide(data["wide"])
+
     key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shape": shape}
-    path = cache_root() / "kernels" / ("attention-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("key") == key and isinstance(data.get("wide"), bool):
-            return set_attention_wide(data["wide"])
-    except (OSError, ValueError):
-        pass  # missing, stale or unreadable: measure
-    others = OtherLoad()
-    wide = set_attention_wide(bool(measure()))
-    if others.too_busy() is None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, {"key": key, "wide": wide, "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
-        except OSError:
-            pass  # measured again next time
-    return wide
+    _cached_choice("attention", key, lambda: {"wide": bool(measure())}, apply)
+    return attention_wide()
 
 
 def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -697,54 +686,74 @@ def prefetch_blocks() -> int:
     return 0 if lib is None else lib.dd_get_prefetch()
 
 
+def _timed_over(weights: list[NativeWeight], rows: int):
+    """A function multiplying ``rows`` random rows by every one of ``weights`` in turn (as a forward
+    streams them), for timing."""
+    xs = [torch.randn(rows, w.in_features) for w in weights]
+
+    def run(_option=None) -> None:
+        for w, x in zip(weights, xs):
+            w(x)
+    return run
+
+
 def measure_prefetch(weights: list[NativeWeight], rows: tuple[int, ...] = (4, 8), reps: int = 9) -> int:
     """The option of PREFETCH_OPTIONS that multiplies tiles of ``rows`` rows by all of ``weights`` (a
-    model's streamed weights, any kinds) fastest here, by the sum of each row count's median:
-    interleaved rounds, rotated order, after a warm-up round. Leaves that choice set."""
-    import statistics
+    model's streamed weights, any kinds) fastest here, by the sum of each row count's median
+    (:func:`~ddspec.machine.interleaved_medians`). Leaves that choice set."""
+    from ddspec.machine import interleaved_medians
 
-    times: dict[tuple[int, int], list[float]] = {(n, b): [] for n in rows for b in PREFETCH_OPTIONS}
-    for n in rows:
-        xs = [torch.randn(n, w.in_features) for w in weights]
-        for r in range(reps + 1):
-            order = PREFETCH_OPTIONS[r % len(PREFETCH_OPTIONS):] + PREFETCH_OPTIONS[:r % len(PREFETCH_OPTIONS)]
-            for b in order:
-                set_prefetch(b)
-                t0 = time.perf_counter()
-                for w, x in zip(weights, xs):
-                    w(x)
-                if r:
-                    times[(n, b)].append(time.perf_counter() - t0)
-    best = min(PREFETCH_OPTIONS, key=lambda b: sum(statistics.median(times[(n, b)]) for n in rows))
+    medians = [interleaved_medians(PREFETCH_OPTIONS, _timed_over(weights, n), reps, setup=set_prefetch) for n in rows]
+    best = min(PREFETCH_OPTIONS, key=lambda b: sum(m[b] for m in medians))
     set_prefetch(best)
     return best
 
 
 def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     """For each tile size 1..WIDE_ROWS, the groups per pass (of :func:`wide_options`) that multiply
-    the rows by all of ``weights`` (one kind) fastest here: interleaved rounds, rotated order,
-    median of ``reps`` after a warm-up round. Leaves that choice set."""
-    import statistics
+    the rows by all of ``weights`` (one kind) fastest here, by their medians
+    (:func:`~ddspec.machine.interleaved_medians`). Leaves that choice set."""
+    from ddspec.machine import interleaved_medians
 
-    kind = weights[0].kind
+    kind = WIDE_KINDS[weights[0].kind]
     chosen = []
     for rows in range(1, WIDE_ROWS + 1):
-        xs = [torch.randn(rows, w.in_features) for w in weights]
-        options = wide_options(rows)
-        times: dict[int, list[float]] = {g: [] for g in options}
-        for r in range(reps + 1):
-            order = options[r % len(options):] + options[:r % len(options)]
-            for g in order:
-                library().dd_set_wide_groups(WIDE_KINDS[kind], rows, g)
-                t0 = time.perf_counter()
-                for w, x in zip(weights, xs):
-                    w(x)
-                if r:
-                    times[g].append(time.perf_counter() - t0)
-        best = min(options, key=lambda g: statistics.median(times[g]))
-        library().dd_set_wide_groups(WIDE_KINDS[kind], rows, best)
+        medians = interleaved_medians(wide_options(rows), _timed_over(weights, rows), reps,
+                                      setup=lambda g: library().dd_set_wide_groups(kind, rows, g))
+        best = min(medians, key=medians.get)
+        library().dd_set_wide_groups(kind, rows, best)
         chosen.append(best)
     return chosen
+
+
+def _cached_choice(name: str, key: dict, measure, apply) -> dict:
+    """A kernel choice measured once per ``key`` (CPU, build, threads, shapes ...): the entry cached in
+    ``<cache root>/kernels/<name>-*.json`` when its key matches and ``apply(entry)`` takes it, else
+    ``measure()`` (a dict) now, applied, and cached unless other programs took the CPU meanwhile (a
+    timing made then favours whichever option minds them least). Returns the entry."""
+    import json
+
+    from ddspec.fileio import write_json_atomic
+    from ddspec.machine import OtherLoad, cache_root
+
+    path = cache_root() / "kernels" / (f"{name}-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            apply(data)
+            return data
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, stale or unreadable: measure
+    others = OtherLoad()
+    data = {"key": key, **measure(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    apply(data)
+    if others.too_busy() is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, data)
+        except OSError:
+            pass  # measured again next time
+    return data
 
 
 def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
@@ -754,46 +763,31 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
     the quantised passes of 3 rows or more prefetch (:func:`measure_prefetch`, on the weights of
     the kinds whose shapes do not start with "head ": those a forward streams from memory): the
     cached choice for this CPU, kernel build, thread count and shapes, else measured now (a few
-    seconds, once) and cached unless other programs took the CPU meanwhile. Without the AVX-512
-    passes only the prefetch is chosen (every groups choice is 0). The results are the same bits
-    whatever the choice; only the time differs. Returns the groups chosen by kind ({} without
-    the AVX-512 passes)."""
-    import json
-
-    from ddspec.fileio import write_json_atomic
-    from ddspec.machine import OtherLoad, cache_root, cpu_name
+    seconds, once) and cached unless other programs took the CPU meanwhile (:func:`_cached_choice`).
+    Without the AVX-512 passes only the prefetch is chosen (every groups choice is 0). The results
+    are the same bits whatever the choice; only the time differs. Returns the groups chosen by kind
+    ({} without the AVX-512 passes)."""
+    from ddspec.machine import cpu_name
 
     if library() is None:
         return {}
     if shapes is None:
         shapes = {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items() if v}
     shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v}  # the quantised kinds
-    wide = [k for k in shapes if wide_available(k)]
     if not shapes:
         return {}
+
+    def measure() -> dict:
+        given = weights() if callable(weights) else weights
+        print("ddspec: timing the kernel passes on this CPU (once, cached)", file=sys.stderr)
+        chosen = {kind: measure_wide(given[kind]) for kind in shapes if wide_available(kind) and given.get(kind)}
+        streamed = [w for kind in shapes if not all(s.startswith("head ") for s in shapes[kind]) for w in given.get(kind, [])]
+        return {"groups": chosen, "prefetch": measure_prefetch(streamed) if streamed else 0}
+
+    def apply(data: dict) -> None:
+        for kind, groups in data["groups"].items():
+            set_wide(kind, groups)
+        set_prefetch(data["prefetch"])
+
     key = {"format": 3, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
-    path = cache_root() / "kernels" / ("wide-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            for kind, groups in data["groups"].items():
-                set_wide(kind, groups)
-            set_prefetch(data["prefetch"])
-            return data["groups"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing, stale or unreadable: measure
-    if callable(weights):
-        weights = weights()
-    print("ddspec: timing the kernel passes on this CPU (once, cached)", file=sys.stderr)
-    others = OtherLoad()
-    chosen = {kind: measure_wide(weights[kind]) for kind in wide if weights.get(kind)}
-    streamed = [w for kind in shapes if not all(s.startswith("head ") for s in shapes[kind]) for w in weights.get(kind, [])]
-    prefetch = measure_prefetch(streamed) if streamed else 0
-    if others.too_busy() is None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, {"key": key, "groups": chosen, "prefetch": prefetch,
-                                     "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
-        except OSError:
-            pass  # measured again next time
-    return chosen
+    return _cached_choice("wide", key, measure, apply)["groups"]
