@@ -375,3 +375,18 @@ def test_the_compute_floor_counts_the_int8_peak_loop_and_bounds_the_curve():
     assert "T(8) >= 8.0 ms" in text and "T(16) >= 16.0 ms" in text
     assert "T(8)/T(1) >= 800.00" in text and "T(16)/T(1) >= 1600.00" in text
     assert compute_floor_lines(target, {}, peak=5800e3) == [] and compute_floor_lines(target, {1: 1.0}, None) == []
+
+
+def test_llama_cpp_trial_turns_a_crash_into_a_reason(monkeypatch, tmp_path):
+    """A llama.cpp build that dies in its own kernels (0.3.36 with AMX: a segfault) skips the arm, not the bench."""
+    from ddspec.bench import runner
+
+    gguf = tmp_path / "m.gguf"
+    monkeypatch.setattr(runner, "_TRIAL", "import os, signal, sys; assert sys.argv[2] == '2'; os.kill(os.getpid(), signal.SIGSEGV)")
+    why = runner.llama_cpp_trial(gguf, 2)
+    assert why is not None and "SIGSEGV" in why and "m.gguf" in why and "pip install" in why
+    monkeypatch.setattr(runner, "_TRIAL", "import sys; sys.exit('no luck: ' + sys.argv[1])")
+    why = runner.llama_cpp_trial(gguf, 2)
+    assert why is not None and "no luck" in why
+    monkeypatch.setattr(runner, "_TRIAL", "import sys; assert sys.argv[1].endswith('m.gguf')")
+    assert runner.llama_cpp_trial(gguf, 2) is None

@@ -174,6 +174,56 @@ class LlamaCppArm:
         return Generation(ids, wall, "eos" if ids and ids[-1] in self.eos_ids else "length", None)
 
 
+LLAMA_CPP_BUILD = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36'
+# llama.cpp's AMX kernels (compiled in by GGML_NATIVE on a Xeon with AMX) crash in its first decode of this model
+LLAMA_CPP_NO_AMX = ('CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8" '
+                    'pip install --force-reinstall --no-deps llama-cpp-python==0.3.36')
+
+_TRIAL = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False)
+for i, _ in enumerate(llm.generate([1, 2, 3, 4, 5, 6, 7, 8], top_k=1, temp=0.0, reset=True)):
+    if i == 3:
+        break
+"""
+
+
+def llama_cpp_trial(gguf: Path, threads: int, timeout: float = 300.0) -> str | None:
+    """Decode a few tokens with llama.cpp in a child process: None if it works, else why not.
+
+    A llama.cpp build can die in its own kernels on some CPUs (llama-cpp-python 0.3.36 built with
+    GGML_NATIVE on a Xeon with AMX: a segmentation fault in its first decode of the default model),
+    which would end the whole bench; trying it in a child first turns that into a skipped arm."""
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        r = subprocess.run([sys.executable, "-c", _TRIAL, str(gguf), str(threads)], capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp's trial decode of {gguf.name} did not finish in {timeout:.0f} s"
+    if r.returncode == 0:
+        return None
+    if r.returncode < 0:
+        how = f"was killed by {signal.Signals(-r.returncode).name}"
+    else:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        how = f"failed ({last})"
+    amx = " with its AMX kernels" if _cpu_has("amx_int8") else ""
+    fix = f"; rebuild it without them: {LLAMA_CPP_NO_AMX}" if amx else f"; reinstall it: {LLAMA_CPP_BUILD}"
+    return f"llama.cpp's trial decode of {gguf.name} in a child process {how}: this build of it does not run here{amx}{fix}"
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int) -> LlamaCppArm | str:
     """The llama.cpp arm, or why it cannot run here (a one-line reason)."""
     import importlib.util
@@ -181,13 +231,15 @@ def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: in
     from ddspec.models.loading import DEFAULT_MODEL, default_gguf_path
 
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed (optional: "
-                "CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python==0.3.36, about 10 minutes to build)")
+        return f"llama-cpp-python is not installed (optional: {LLAMA_CPP_BUILD}, about 10 minutes to build)"
     if not sampling.greedy:
         return "the llama.cpp arm decodes greedily only (--temperature 0)"
     gguf = default_gguf_path() if model_spec == DEFAULT_MODEL else Path(model_spec)
     if gguf.suffix != ".gguf" or not gguf.is_file():
         return f"the llama.cpp arm needs a GGUF model (--model default or a .gguf file), not {model_spec}"
+    failed = llama_cpp_trial(gguf, threads)
+    if failed:
+        return failed
     return LlamaCppArm(gguf, target.info.eos_token_ids, target.info.max_position, threads)
 
 
