@@ -127,3 +127,25 @@ def test_a_size_probe_does_not_lower_the_forecast_rate_of_drafting():
         tokens, ms = tokens * d + gains[best - 1], ms * d + p._step_ms(best, 2)  # the best tree's
         p.observe_step(tokens=2, tree_size=n, draft_ms=2.0, verify_ms=20.0, gap_ms=0.0)
     assert math.isclose(p.draft_rate() / p.bias(), tokens / ms, rel_tol=1e-9)  # the forecasts' part of the rate
+
+
+def test_lookup_chains_are_cut_where_verifying_them_does_not_pay():
+    """chain_length: a continuation's tokens are verified while their learned acceptance pays for the
+    plain steps' measured verify costs; a weak n-gram order is cut on a steep curve, kept on a flat one."""
+    flat = policy(flat_cost(10.0))
+    assert flat.chain_length(1, 3) == 3  # verifying more costs nothing: every token is worth a try
+    assert flat.chain_length(2, 0) == 0 and flat.chain_length(0, 3) == 0
+    steep = policy(linear_cost(10.0, 5.0))  # each verified token costs half a plain step more
+    for _ in range(50):  # order-1 chains: their first token accepted 1 time in 10
+        steep.observe_chain(1, 1, 0)
+    for _ in range(5):
+        steep.observe_chain(1, 1, 1)
+    for _ in range(50):  # order-3 chains: almost always accepted
+        steep.observe_chain(3, 3, 3)
+    assert steep.chain_length(3, 3) == 3
+    lengths = [steep.chain_length(1, 3) for _ in range(steep.chain_explore)]
+    assert lengths[:-1] == [0] * (steep.chain_explore - 1) and lengths[-1] == 1  # cut, with a probe now and then
+    # the plain steps' own times replace the calibrated curve where they were measured
+    steep.costs.observe(3, 0, 0.0, 11.0, 0.0, drafted=False)  # a plain step verifying a 2-token chain: 11 ms
+    assert steep.costs.plain_verify(3) == 11.0
+    assert math.isclose(steep.costs.plain_verify(2), steep.costs.plain_verify(1) * 15.0 / 10.0)

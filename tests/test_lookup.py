@@ -158,3 +158,14 @@ def test_ddspec_drafted_trees_carry_the_lookup_chain(tiny_targets, monkeypatch):
     assert all(size <= drafter.max_tree_size for size, _ in trees)
     assert sum(grafts) > 0 and policy.graft_gain > 0  # merged nodes were accepted, and the forecast knows it
     assert all(n == head - 1 for n, head in learned)  # scores of the head's drafted nodes only
+
+
+def test_continuation_says_which_ngram_found_it():
+    d = LookupDrafter(depth=2, min_ngram=1)
+    d.reset(64)
+    d.prefill(torch.tensor([5, 1, 2, 3, 4, 9, 2]), None, torch.tensor(3))
+    assert d.continuation() == [4, 9] and d.order == 2  # "2 3" occurred before
+    d.tokens.append(9)
+    assert d.continuation() == [2, 3] and d.order == 1  # only "9" did
+    d.tokens.append(77)
+    assert d.continuation() == [] and d.order == 0

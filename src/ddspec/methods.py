@@ -153,7 +153,9 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
                              max_tokens=cfg.total_tokens, persist=persist)
     from ddspec.draft.lookup import LookupDrafter
 
-    lookup = LookupDrafter(max_position=target.info.max_position)  # free drafts for its plain steps
+    # free drafts for its plain steps, down to a match on the last token alone: the policy verifies
+    # as many of a continuation's tokens as pay for their order (CostAwarePolicy.chain_length)
+    lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position)
     return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)
 
 

@@ -128,6 +128,7 @@ class EagleDrafter:
         self._caught_up = False  # this step's draft time includes catching the head up
         self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
         self._chain: list[int] = []  # the lookup's chain for this step (propose)
+        self._chain_order = 0  # the n-gram order that found it
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -253,6 +254,8 @@ class EagleDrafter:
         if self.lookup is not None:
             self.lookup.observe(tree, verdict, target_out)
         if self._plain_step:  # the head did not draft: keep its input for the next drafted step
+            if self.cost_policy is not None and tree.size > 1:  # it verified a lookup chain
+                self.cost_policy.observe_chain(self._chain_order, tree.size - 1, verdict.accepted)
             # the raw rows only: the head's input features are computed for all pending rows at once
             path = verdict.path
             nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
@@ -303,6 +306,9 @@ class EagleDrafter:
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
         self._chain = [] if self.lookup is None else self.lookup.continuation()  # merged into a drafted tree
+        self._chain_order = 0 if self.lookup is None else self.lookup.order
+        if self._chain and self.cost_policy is not None:  # as many of its tokens as pay on this machine
+            self._chain = self._chain[:self.cost_policy.chain_length(self._chain_order, len(self._chain))]
         chain = None if self.lookup is None else bool(self._chain)
         self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now(chain))
         self._caught_up = False
@@ -311,7 +317,7 @@ class EagleDrafter:
             if too_deep and self.cost_policy is not None:
                 self.cost_policy.drafting, self.cost_policy.levels = False, 0
             if self.lookup is not None:  # free drafts: what followed the context's ending earlier on
-                return self.lookup.propose(root, position)
+                return self.lookup.propose(root, position, self._chain)
             return DraftTree.root_only(root)
         self._flush_pending()
         self._committed = self.cache.length

@@ -36,6 +36,7 @@ class LookupDrafter:
         self.tokens: list[int] = []  # committed tokens by position, then the current root
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the last position it ended at
         self._indexed = 0  # n-grams ending before this position are in the index
+        self.order = 0  # n of the n-gram the latest continuation() matched (0: none)
 
     @property
     def max_tree_size(self) -> int:
@@ -66,11 +67,14 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
             end = self._index.get(tuple(t[-n:]))
             if end is not None:
+                self.order = n
                 return t[end + 1:end + 1 + self.depth]
+        self.order = 0
         return []
 
-    def propose(self, root: torch.Tensor, position: int) -> DraftTree:
-        drafts = self.continuation()
+    def propose(self, root: torch.Tensor, position: int, drafts: list[int] | None = None) -> DraftTree:
+        """A chain of the continuation's tokens (``drafts``: these instead, e.g. a continuation cut short)."""
+        drafts = self.continuation() if drafts is None else drafts
         if self.max_position is not None:  # a draft at depth d sits at position + d
             drafts = drafts[:max(0, self.max_position - 1 - position)]
         if not drafts:

@@ -171,6 +171,7 @@ class LearnedCosts:
         self._jumps = {"root": 0, "level": 0}  # consecutive observations > 3x the estimate
         self.plain_ms, self.gap_ms = base.verify_ms[self.sizes[0]], 0.0
         self.plain_seen = self.gap_seen = 0.0
+        self.chain_ms: dict[int, tuple[float, float]] = {}  # plain steps verifying a lookup chain: size -> (mean, seen)
         self.steps = 0
         self._current: CostModel | None = None  # rebuilt when next read after an observation
 
@@ -211,6 +212,17 @@ class LearnedCosts:
         if self.plain_seen:
             return self.plain_ms
         return min(self.plain_ms, self.current.verify_ms[self.sizes[0]])
+
+    def plain_verify(self, n: int) -> float:
+        """ms of a plain step's verify phase with ``n`` nodes (the root and a lookup chain of n - 1):
+        observed at that size, else the plain step's estimate times the calibrated curve's
+        T(n) / T(1)."""
+        if n <= 1:
+            return self.plain_estimate()
+        if n in self.chain_ms:
+            return self.chain_ms[n][0]
+        v = self.base.verify_list(n)
+        return self.plain_estimate() * v[n - 1] / v[0]
 
     def drift(self, min_seen: float = 1.0) -> float:
         """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed at
@@ -261,6 +273,8 @@ class LearnedCosts:
         if not drafted:
             if tree_size == 1:  # a plain step that verified a free (lookup) chain costs more: not this
                 self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
+            else:
+                self.chain_ms[tree_size] = self._mean(*self.chain_ms.get(tree_size, (verify_ms, 0.0)), verify_ms)
             self._current = None
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
@@ -339,6 +353,9 @@ class CostAwarePolicy:
         self._probe_extra = (0.0, 0.0)  # (tokens, ms) the current step's size probe adds to the best size's forecast
         # lookup chains merged into drafted trees (EagleDrafter): their accepted nodes per step so far
         self.graft_gain, self._graft_seen = 0.0, 0.0
+        # lookup chains verified: per n-gram order, how often the j-th token was offered / accepted
+        self._chain_stats: dict[int, tuple[list[float], list[float]]] = {}
+        self._chain_cuts = 0
 
     @property
     def cost(self) -> CostModel:
@@ -457,6 +474,53 @@ class CostAwarePolicy:
             else:
                 self.prediction = (1.0, self.costs.plain_estimate() + self.costs.gap_ms)
         return choice
+
+    # -- lookup chains -------------------------------------------------------------------------
+    chain_prior, chain_prior_weight = 0.5, 4.0  # before observations: the j-th token accepted with 0.5**j
+    chain_explore = 16  # every so many cut chains, one more token is verified (its acceptance stays known)
+
+    def chain_length(self, order: int, available: int) -> int:
+        """How many of a lookup continuation's ``available`` tokens to verify (0: none), for a
+        continuation found by an n-gram of ``order`` tokens.
+
+        The L that maximises the expected rate (1 + sum of P(first j accepted), j <= L) /
+        (plain verify phase of 1 + L nodes + gap), with those probabilities learned per order
+        (:meth:`observe_chain`) and the verify phases measured on this machine's plain steps
+        (:meth:`LearnedCosts.plain_verify`). A match on the context's last token alone guesses
+        worse than one on its last three; where verifying a few more tokens is dear (fp32 here)
+        such chains are cut, where it is nearly free (8-bit activations) they are verified."""
+        if order <= 0 or available <= 0:
+            return 0
+        seen, accepted = self._chain_stats.setdefault(order, ([], []))
+        while len(seen) < available:
+            seen.append(0.0)
+            accepted.append(0.0)
+        costs, gap = self.costs, max(self.costs.gap_ms, 0.0)
+        best_l, best = 0, 1.0 / (costs.plain_verify(1) + gap)
+        expected, w = 0.0, self.chain_prior_weight
+        for l in range(1, available + 1):
+            expected += (accepted[l - 1] + w * self.chain_prior ** l) / (seen[l - 1] + w)
+            rate = (1.0 + expected) / (costs.plain_verify(1 + l) + gap)
+            if rate > best:
+                best_l, best = l, rate
+        if best_l < available:
+            self._chain_cuts += 1
+            if self._chain_cuts % self.chain_explore == 0:
+                best_l += 1
+        return best_l
+
+    def observe_chain(self, order: int, offered: int, accepted: int) -> None:
+        """A verified lookup chain: ``offered`` tokens of an ``order``-gram's continuation, the first
+        ``accepted`` of them accepted."""
+        if order <= 0 or offered <= 0:
+            return
+        seen, acc = self._chain_stats.setdefault(order, ([], []))
+        while len(seen) < offered:
+            seen.append(0.0)
+            acc.append(0.0)
+        for j in range(offered):
+            seen[j] += 1.0
+            acc[j] += 1.0 if accepted > j else 0.0
 
     # -- the DepthPolicy protocol -------------------------------------------------------------
     def continue_after(self, level: int, frontier_scores: torch.Tensor, candidate_scores: torch.Tensor | None = None,
