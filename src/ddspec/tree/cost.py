@@ -491,10 +491,7 @@ class CostAwarePolicy:
         such chains are cut, where it is nearly free (8-bit activations) they are verified."""
         if order <= 0 or available <= 0:
             return 0
-        seen, accepted = self._chain_stats.setdefault(order, ([], []))
-        while len(seen) < available:
-            seen.append(0.0)
-            accepted.append(0.0)
+        seen, accepted = self._chain_counts(order, available)
         costs, gap = self.costs, max(self.costs.gap_ms, 0.0)
         best_l, best = 0, 1.0 / (costs.plain_verify(1) + gap)
         expected, w = 0.0, self.chain_prior_weight
@@ -509,15 +506,20 @@ class CostAwarePolicy:
                 best_l += 1
         return best_l
 
+    def _chain_counts(self, order: int, length: int) -> tuple[list[float], list[float]]:
+        """(offered, accepted) counts of an order's continuation tokens 1 .. at least ``length``."""
+        seen, accepted = self._chain_stats.setdefault(order, ([], []))
+        while len(seen) < length:
+            seen.append(0.0)
+            accepted.append(0.0)
+        return seen, accepted
+
     def observe_chain(self, order: int, offered: int, accepted: int) -> None:
         """A verified lookup chain: ``offered`` tokens of an ``order``-gram's continuation, the first
         ``accepted`` of them accepted."""
         if order <= 0 or offered <= 0:
             return
-        seen, acc = self._chain_stats.setdefault(order, ([], []))
-        while len(seen) < offered:
-            seen.append(0.0)
-            acc.append(0.0)
+        seen, acc = self._chain_counts(order, offered)
         for j in range(offered):
             seen[j] += 1.0
             acc[j] += 1.0 if accepted > j else 0.0
