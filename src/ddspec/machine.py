@@ -32,6 +32,17 @@ def cpu_name() -> str:
     return name or platform.processor() or "unknown CPU"
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def cpu_name_from_cpuinfo(text: str) -> str | None:
     """``model name (family F, model M)`` of the first processor in /proc/cpuinfo's text."""
     fields: dict[str, str] = {}

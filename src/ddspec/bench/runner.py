@@ -199,6 +199,8 @@ def llama_cpp_trial(gguf: Path, threads: int, timeout: float = 300.0) -> str | N
     import subprocess
     import sys
 
+    from ddspec.machine import cpu_flags
+
     try:
         r = subprocess.run([sys.executable, "-c", _TRIAL, str(gguf), str(threads)], capture_output=True, text=True,
                            timeout=timeout)
@@ -211,17 +213,9 @@ def llama_cpp_trial(gguf: Path, threads: int, timeout: float = 300.0) -> str | N
     else:
         last = (r.stderr.strip().splitlines() or ["no message"])[-1]
         how = f"failed ({last})"
-    amx = " with its AMX kernels" if _cpu_has("amx_int8") else ""
+    amx = " with its AMX kernels" if "amx_int8" in cpu_flags() else ""
     fix = f"; rebuild it without them: {LLAMA_CPP_NO_AMX}" if amx else f"; reinstall it: {LLAMA_CPP_BUILD}"
     return f"llama.cpp's trial decode of {gguf.name} in a child process {how}: this build of it does not run here{amx}{fix}"
-
-
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
 
 
 def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int) -> LlamaCppArm | str:

@@ -128,7 +128,6 @@ class EagleDrafter:
         self._caught_up = False  # this step's draft time includes catching the head up
         self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
         self._chain: list[int] = []  # the lookup's chain for this step (propose)
-        self._chain_order = 0  # the n-gram order that found it
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -255,7 +254,7 @@ class EagleDrafter:
             self.lookup.observe(tree, verdict, target_out)
         if self._plain_step:  # the head did not draft: keep its input for the next drafted step
             if self.cost_policy is not None and tree.size > 1:  # it verified a lookup chain
-                self.cost_policy.observe_chain(self._chain_order, tree.size - 1, verdict.accepted)
+                self.cost_policy.observe_chain(self.lookup.order, tree.size - 1, verdict.accepted)
             # the raw rows only: the head's input features are computed for all pending rows at once
             path = verdict.path
             nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
@@ -306,9 +305,8 @@ class EagleDrafter:
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
         self._chain = [] if self.lookup is None else self.lookup.continuation()  # merged into a drafted tree
-        self._chain_order = 0 if self.lookup is None else self.lookup.order
         if self._chain and self.cost_policy is not None:  # as many of its tokens as pay on this machine
-            self._chain = self._chain[:self.cost_policy.chain_length(self._chain_order, len(self._chain))]
+            self._chain = self._chain[:self.cost_policy.chain_length(self.lookup.order, len(self._chain))]
         chain = None if self.lookup is None else bool(self._chain)
         self._plain_step = too_deep or (self.cost_policy is not None and not self.cost_policy.draft_now(chain))
         self._caught_up = False

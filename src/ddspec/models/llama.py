@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
 
 from pathlib import Path

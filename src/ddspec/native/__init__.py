@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ddspec.machine import cpu_flags
+
 SOURCE = Path(__file__).with_name("ddspec_kernels.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          # hot loops on 64-byte boundaries: the same source measured 6-12% apart at 4-8 rows
@@ -92,7 +94,7 @@ def _compiler() -> str | None:
 def _first_taken(options: tuple[tuple[set[str], list[str]], ...]) -> list[str]:
     """The first compiler flags of ``options`` ((CPU flags needed, compiler flags), ...) whose CPU
     flags this CPU has and which the compiler takes; [] when none."""
-    have, compiler = _cpu_flags(), _compiler()
+    have, compiler = cpu_flags(), _compiler()
     for need, flags in options:
         if need <= have and compiler and _compiles(compiler, flags):
             return flags
@@ -164,16 +166,6 @@ def wide_flags() -> list[str]:
     return _wide
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 class _Build:
     """The compiler runs writing ``out``: one per part of the source (PARTS), started at once
     without waiting, then a link through a temporary file renamed into place only when it
@@ -242,7 +234,7 @@ def _enabled() -> str | None:
     """Why the kernels cannot be used here, or None."""
     if _switched_off("DDSPEC_NATIVE"):
         return "disabled by DDSPEC_NATIVE=0"
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         return "needs an x86-64 CPU with AVX2, FMA and F16C"
     return None
 
