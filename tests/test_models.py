@@ -199,3 +199,31 @@ def test_every_matmul_kernel_gives_the_same_logits(tiny_dirs, family, kernel, mo
             outs.append(t.forward(tokens, torch.arange(9, 9 + n), mask))
         assert (outs[0].logits - outs[1].logits).abs().max() <= TOL
         assert (outs[0].features - outs[1].features).abs().max() <= TOL
+
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_hf_adapter_hands_its_cache_to_either_transformers_keyword(tiny_targets, keyword, monkeypatch):
+    """transformers renamed forward's `past_key_values` to `cache` (5.17 has the old name, 5.24 the
+    new); an unknown keyword lands in **kwargs without a word, and then no KV cache is kept at all."""
+    import inspect
+
+    from ddspec.models.hf_adapter import HFTarget
+
+    target = tiny_targets[("mistral", "hf")]
+    seen = []
+    own = "cache" if "cache" in inspect.signature(type(target.model).forward).parameters else "past_key_values"
+
+    def forward(**kwargs):  # the installed model under the keyword asked about
+        seen.extend(k for k in kwargs if k in ("cache", "past_key_values"))
+        return type(target.model).forward(target.model, **{(own if k == keyword else k): v for k, v in kwargs.items()})
+
+    names = ("input_ids", "position_ids", "attention_mask", keyword, "use_cache", "output_hidden_states")
+    forward.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names])
+    monkeypatch.setattr(target.model, "forward", forward)
+    adapter = HFTarget(target.model, target.info, target.tokenizer)
+    adapter.reset(16)
+    adapter.forward(torch.arange(5), torch.arange(5))
+    adapter.commit(torch.arange(5))
+    assert seen == [keyword] and adapter.cache_length == 5
+    assert all(layer.keys.shape[2] == 5 for layer in adapter.cache.layers)

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ddspec.fileio import write_json_atomic
-from ddspec.machine import cache_root, cpu_name, load_average
+from ddspec.machine import cache_root, cpu_name, device_sync, load_average
 from ddspec.tree.cost import CostModel
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # beyond 64: extrapolated (EAGLE-2 verifies <= 60)
@@ -98,7 +98,8 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     """Time the pieces of a step with this target and drafter (its head and tree width)."""
     gen = torch.Generator().manual_seed(0)
     vocab, layers = target.info.vocab_size, drafter.hidden_layers
-    prompt = torch.randint(0, vocab, (PREFIX,), generator=gen)
+    dev = target.device  # the drafter's inputs live where the head's weights do
+    prompt = torch.randint(0, vocab, (PREFIX,), generator=gen).to(dev)
     room = PREFIX + max(sizes) + 8
     target.reset(room)
     out = target.forward(prompt, torch.arange(PREFIX), None, layers, last_logits=True)
@@ -113,8 +114,10 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     for r in range(reps + 1):  # round 0 is a warm-up
         for n in sizes:
             mask = torch.ones(n, n, dtype=torch.bool).tril_()
+            device_sync(dev)
             t = time.perf_counter()
             target.forward(inputs[n], PREFIX + torch.arange(n), mask, layers)
+            device_sync(dev)
             elapsed = time.perf_counter() - t
             target.truncate(PREFIX)
             if r:
@@ -125,22 +128,24 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     k = drafter.cfg.top_k
     feats = out.features[-k:] if out.features.shape[0] >= k else out.features[-1:].expand(k, -1)
     toks = prompt[-k:] if prompt.numel() >= k else prompt[-1:].expand(k)
-    mask = torch.ones(1, 1, k, PREFIX + k, dtype=torch.bool)
+    mask = torch.ones(1, 1, k, PREFIX + k, dtype=torch.bool, device=dev)
 
     def level():
-        hidden = drafter._run(feats, toks, torch.full((k,), PREFIX), mask)
+        hidden = drafter._run(feats, toks, torch.full((k,), PREFIX, device=dev), mask)
         drafter.logprobs(hidden).topk(k, dim=-1)
         drafter.cache.truncate(PREFIX)
 
-    level_ms = _median_ms(level, reps * 2)
-    root_ms = _median_ms(lambda: drafter.logprobs(drafter.root_hidden.view(1, -1)).topk(k), reps * 2)
+    level_ms = _median_ms(level, reps * 2, dev)
+    root_ms = _median_ms(lambda: drafter.logprobs(drafter.root_hidden.view(1, -1)).topk(k), reps * 2, dev)
 
     def other():  # a typical commit: keep 3 entries, refresh the head over them
         step = target.forward(prompt[:3], PREFIX + torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril_(),
                               layers)
         target.commit(torch.arange(3))
+        device_sync(dev)
         t = time.perf_counter()
         drafter._commit_entries(drafter._committed_features(step), prompt[:3])
+        device_sync(dev)
         elapsed = time.perf_counter() - t
         target.truncate(PREFIX)
         drafter.cache.truncate(PREFIX)
@@ -176,8 +181,10 @@ def policy_root_ms(target, drafter, cost: CostModel, root: torch.Tensor, reps: i
             # a real step's verification runs between two proposals and leaves other weights in the caches
             target.forward(root.view(1), torch.tensor([PREFIX]), None, drafter.hidden_layers)
             target.truncate(PREFIX)
+            device_sync(target.device)
             t = time.perf_counter()
             tree = drafter.propose(root, PREFIX)
+            device_sync(target.device)
             elapsed = (time.perf_counter() - t) * 1e3
             drafter.cache.truncate(PREFIX)
             if r >= policy.min_drafted and policy.drafting:
@@ -191,12 +198,14 @@ def policy_root_ms(target, drafter, cost: CostModel, root: torch.Tensor, reps: i
     return statistics.median(samples) if samples else cost.draft_root_ms
 
 
-def _median_ms(fn, reps: int) -> float:
+def _median_ms(fn, reps: int, device) -> float:
     fn()  # warm-up
     times = []
     for _ in range(reps):
+        device_sync(device)
         t = time.perf_counter()
         fn()
+        device_sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
 

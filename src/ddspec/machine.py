@@ -113,6 +113,17 @@ class OtherLoad:
         return share if share is not None and share > BUSY_SHARE else None
 
 
+def device_sync(device) -> None:
+    """Wait for the work queued on ``device`` (a torch device or its name): a GPU runs its kernels
+    after the Python call that queued them has returned, so a timer read without this measures
+    the queueing. A no-op on the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def interleaved_medians(options, run, reps: int, setup=None) -> dict:
     """{option: median seconds of ``run(option)``} over ``reps`` rounds after a warm-up round, every
     round timing each option once, in an order rotated from round to round (a change in the

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 from ddspec.bench.prompts import Prompt
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import DdspecError
+from ddspec.machine import device_sync
 from ddspec.methods import HEADLESS, METHODS, split_method, tree_config
 from ddspec.prompts import chat_prompt_ids
 
@@ -90,13 +91,6 @@ class Arm(Protocol):
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation: ...
 
 
-def _sync(device: torch.device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class EngineArm:
     """A ddspec :class:`Engine` (plain decoding or a drafter)."""
 
@@ -105,10 +99,10 @@ class EngineArm:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         device = self.engine.target.device
-        _sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         result = self.engine.generate(prompt_ids, StopConfig(max_new_tokens=max_new_tokens))
-        _sync(device)
+        device_sync(device)
         wall = time.perf_counter() - t0
         return Generation(result.token_ids, wall, result.stats.finish_reason, result.stats.steps)
 
@@ -138,12 +132,12 @@ class HFArm:
         budget = min(max_new_tokens, self.max_position - len(prompt_ids))  # the engine's budget
         if self.sampling.seed is not None:
             torch.manual_seed(self.sampling.seed)
-        _sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=budget,
                                   eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0],
                                   **self._decoding_kwargs(), **self.extra)
-        _sync(device)
+        device_sync(device)
         wall = time.perf_counter() - t0
         ids = out[0, len(prompt_ids):].tolist()  # output.shape[1] - prompt_len new tokens
         finish = "eos" if ids and ids[-1] in self.eos_ids else "length"

@@ -127,7 +127,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def time_hf_generate(model, ids: list[int], n: int) -> float:
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=model.device)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
@@ -143,7 +143,7 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     (after a warm-up round) times every N once, in an order rotated every round, so that a change in
     the machine's speed during the run (this VM's moves from minute to minute) lands on every N
     alike instead of on the ratios between them."""
-    from ddspec.machine import interleaved_medians
+    from ddspec.machine import device_sync, interleaved_medians
 
     gen = torch.Generator().manual_seed(0)
     vocab = target.info.vocab_size
@@ -152,8 +152,15 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     target.commit(torch.arange(prefix))
     inputs = {n: (torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_())
               for n in sizes}
-    medians = interleaved_medians(sizes, lambda n: target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1]),
-                                  reps, setup=lambda n: target.truncate(prefix))
+    def run(n: int) -> None:
+        target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
+        device_sync(target.device)
+
+    def setup(n: int) -> None:
+        target.truncate(prefix)
+        device_sync(target.device)
+
+    medians = interleaved_medians(sizes, run, reps, setup=setup)
     target.truncate(prefix)
     return {n: m * 1e3 for n, m in medians.items()}
 
@@ -161,15 +168,18 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
 LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)
 
 
-def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int = 15) -> dict[int, float]:
-    """Median ms of one draft level of the shipped head at each top_k, after `prefix` committed tokens."""
+def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int = 15,
+                      head_spec: str | None = None) -> dict[int, float]:
+    """Median ms of one draft level of a head (``head_spec``, as --head; default the shipped one) at
+    each top_k, after `prefix` committed tokens."""
     from ddspec.config import TreeConfig
     from ddspec.draft.eagle import EagleDrafter
+    from ddspec.machine import device_sync
     from ddspec.methods import resolve_head
 
-    head = resolve_head(None, target)
+    head = resolve_head(head_spec, target)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, target.info.vocab_size, (prefix,), generator=gen)
+    prompt = torch.randint(0, target.info.vocab_size, (prefix,), generator=gen).to(target.device)
     result = {}
     for k in top_ks:
         drafter = EagleDrafter(head, target, TreeConfig(top_k=k, depth=6, total_tokens=60))
@@ -178,12 +188,14 @@ def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int 
         drafter.reset(prefix + 8)
         drafter.prefill(prompt, out, prompt[-1])
         feats, toks = out.features[-k:], prompt[-k:]
-        mask = torch.ones(1, 1, k, prefix + k, dtype=torch.bool)
+        mask = torch.ones(1, 1, k, prefix + k, dtype=torch.bool, device=target.device)
         times = []
         for _ in range(reps + 2):
+            device_sync(target.device)
             t = time.perf_counter()
-            hidden = drafter._run(feats, toks, torch.full((k,), prefix), mask)
+            hidden = drafter._run(feats, toks, torch.full((k,), prefix, device=target.device), mask)
             drafter.logprobs(hidden).topk(k, dim=-1)
+            device_sync(target.device)
             times.append(time.perf_counter() - t)
             drafter.cache.truncate(prefix)
         result[k] = statistics.median(times[2:]) * 1e3

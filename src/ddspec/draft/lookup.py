@@ -79,7 +79,9 @@ class LookupDrafter:
             drafts = drafts[:max(0, self.max_position - 1 - position)]
         if not drafts:
             return DraftTree.root_only(root)
-        return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64), torch.zeros(len(drafts)))
+        device = root.device if isinstance(root, torch.Tensor) else None  # the tree lives where the root does
+        return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64, device=device),
+                               torch.zeros(len(drafts), device=device))
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
         self.tokens += tree.tokens[verdict.path[1:]].tolist() + [int(verdict.bonus)]

@@ -25,7 +25,11 @@ class HFTarget:
         self.cache = None
         self.length = 0
         self.pending = 0
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters  # transformers >= 4.50
+        params = inspect.signature(model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in params  # transformers >= 4.50
+        # the KV cache's keyword: `cache` in recent transformers, `past_key_values` before (5.17 and older
+        # take an unknown keyword into **kwargs without a word and keep no cache)
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def cache_length(self) -> int:
@@ -89,7 +93,7 @@ class HFTarget:
             input_ids=tokens.to(self.device).view(1, n),
             position_ids=positions.to(self.device).view(1, n),
             attention_mask=full.view(1, 1, n, -1),
-            cache=self.cache,
+            **{self._cache_kwarg: self.cache},
             use_cache=True,
             output_hidden_states=True,
             **({"logits_to_keep": 1} if last_logits and self._keeps_logits else {}),

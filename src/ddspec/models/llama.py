@@ -263,7 +263,8 @@ def measure_layers_plan(layers: list[LlamaLayer], arch: LlamaArch, rotary: Rotar
     for b in BUCKETS:
         mask = torch.ones(b, prefix + b, dtype=torch.bool)
         mask[:, prefix:] = torch.ones(b, b, dtype=torch.bool).tril_()
-        inputs[b] = (torch.randn(b, arch.hidden_size, generator=gen), prefix + torch.arange(b), mask)
+        x = torch.randn(b, arch.hidden_size, generator=gen).to(rotary.cos.device, rotary.cos.dtype)
+        inputs[b] = (x, prefix + torch.arange(b), mask)
 
     def timer(kernel: str):
         def run(b: int) -> float:

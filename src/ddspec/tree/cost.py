@@ -101,11 +101,11 @@ class AcceptanceModel:
     _lists: tuple | None = field(default=None, repr=False, compare=False)  # (edges, accepted, seen) as lists
 
     def _bins(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(scores.to(torch.float64), self.edges)
+        return torch.bucketize(scores.to("cpu", torch.float64), self.edges)
 
     def prob(self, scores: torch.Tensor) -> torch.Tensor:
-        """[M] scores -> [M] acceptance probabilities."""
-        s = scores.to(torch.float64)
+        """[M] scores -> [M] acceptance probabilities (the counts live on the host: a GPU's scores come over)."""
+        s = scores.to("cpu", torch.float64)
         b = self._bins(s)
         prior = s.clamp(max=0).exp()
         w = self.prior_weight
@@ -115,7 +115,7 @@ class AcceptanceModel:
         """scores [M] of the drafted nodes of a verified tree; accepted [M] bool."""
         b = self._bins(scores)
         self.seen.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
-        self.accepted.index_add_(0, b, accepted.to(torch.float64))
+        self.accepted.index_add_(0, b, accepted.to("cpu", torch.float64))
         self._lists = None
 
     def prob_list(self, scores: list[float]) -> list[float]:
