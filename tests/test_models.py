@@ -227,3 +227,20 @@ def test_hf_adapter_hands_its_cache_to_either_transformers_keyword(tiny_targets,
     adapter.commit(torch.arange(5))
     assert seen == [keyword] and adapter.cache_length == 5
     assert all(layer.keys.shape[2] == 5 for layer in adapter.cache.layers)
+
+
+def test_masked_attention_on_a_gpu_leaves_cudnn_out(monkeypatch):
+    """cuDNN's attention builds a plan per new shape, and a tree's keys grow every step: on a GPU
+    the masked attention runs on the other backends (torch's choice on a CPU, or when asked)."""
+    import contextlib
+
+    from ddspec.models.base import masked_attention_backends
+
+    assert isinstance(masked_attention_backends(torch.device("cpu")), contextlib.nullcontext)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with masked_attention_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    monkeypatch.setenv("DDSPEC_CUDNN_ATTENTION", "1")
+    assert isinstance(masked_attention_backends(torch.device("cuda")), contextlib.nullcontext)

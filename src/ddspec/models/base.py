@@ -13,6 +13,8 @@ other as given: a tree mask), or ``[N, length + N]`` (everything explicit). True
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -100,3 +102,22 @@ def expand_mask(mask: torch.Tensor | None, prefix: int, n: int, device: torch.de
     if mask.shape != (n, prefix + n):
         raise ValueError(f"mask must be [N, N] or [N, prefix + N] = [{n}, {prefix + n}], got {list(mask.shape)}")
     return mask
+
+
+def masked_attention_backends(device: torch.device):
+    """The context to run masked attention in on ``device``: on a GPU, torch's SDPA backends other
+    than cuDNN's; elsewhere (or with ``DDSPEC_CUDNN_ATTENTION=1``) torch's own choice.
+
+    Every tree forward and every draft level passes an attention mask. With one, torch sends bf16 /
+    fp16 attention to cuDNN where it can, and cuDNN builds an execution plan for each new shape
+    (FunASR measured about 1 s a plan on a B200, pull request modelscope/FunASR#3705); here the keys
+    grow by a few tokens every step, so a step would pay for a plan. On one H200 (2026-12-04,
+    docs/gpu-2026-12-04) EAGLE-2 / DDD / ddspec steps took 164 / 108 / 46 ms in bf16 against 29 / 26 /
+    13 in fp32 (where cuDNN attention is not used) and plain decoding (no mask) was not slowed:
+    this is the likely cause; the change is not yet measured on a GPU. The other backends (memory-
+    efficient, flash, math) need no plans and compute the same attention."""
+    if device.type != "cuda" or os.environ.get("DDSPEC_CUDNN_ATTENTION", "0").strip() in ("1", "on", "yes", "true"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

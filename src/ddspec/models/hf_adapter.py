@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
+from ddspec.models.base import ModelInfo, TargetOutput, expand_mask, masked_attention_backends
 
 
 class HFTarget:
@@ -89,15 +89,16 @@ class HFTarget:
         full = expand_mask(mask, self.length, n, self.device)
         if full is None:
             full = torch.ones(1, self.length + 1, dtype=torch.bool, device=self.device)
-        out = self.model(
-            input_ids=tokens.to(self.device).view(1, n),
-            position_ids=positions.to(self.device).view(1, n),
-            attention_mask=full.view(1, 1, n, -1),
-            **{self._cache_kwarg: self.cache},
-            use_cache=True,
-            output_hidden_states=True,
-            **({"logits_to_keep": 1} if last_logits and self._keeps_logits else {}),
-        )
+        with masked_attention_backends(self.device):  # a GPU: no cuDNN plan per shape
+            out = self.model(
+                input_ids=tokens.to(self.device).view(1, n),
+                position_ids=positions.to(self.device).view(1, n),
+                attention_mask=full.view(1, 1, n, -1),
+                **{self._cache_kwarg: self.cache},
+                use_cache=True,
+                output_hidden_states=True,
+                **({"logits_to_keep": 1} if last_logits and self._keeps_logits else {}),
+            )
         self.length += n
         self.pending = n
         hs = out.hidden_states

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ddspec.config import DEFAULT_DRAFT_WEIGHTS
 from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
-from ddspec.models.base import ModelInfo, TargetOutput, expand_mask
+from ddspec.models.base import ModelInfo, TargetOutput, expand_mask, masked_attention_backends
 from ddspec.models.kernels import KernelPlan, Weight, choose_plan, forced_kernel, measure_plan
 
 
@@ -213,8 +213,12 @@ def attention(
     nh, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     qk = rotary.apply(torch.cat([q, k], dim=-1).view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
     keys, values = attend(qk[:, :, nh:].transpose(1, 2), v.view(b, n, nkv, d).transpose(1, 2))
-    out = F.scaled_dot_product_attention(qk[:, :, :nh].transpose(1, 2), keys, values, attn_mask=mask,
-                                         enable_gqa=nh != nkv)  # [B, nh, N, D]
+    query = qk[:, :, :nh].transpose(1, 2)
+    if mask is not None and query.is_cuda:  # no cuDNN plan per shape (see masked_attention_backends)
+        with masked_attention_backends(query.device):
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, N, D]
     return out.transpose(1, 2).reshape(b, n, nh * d)
 
 
