@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     from ddspec.args import torch_dtype
-    from ddspec.bench.target import draft_level_times, forward_times, LEVEL_TOP_KS
+    from ddspec.bench.target import draft_level_times, forward_times, level_rows, write_report
     from ddspec.methods import SHIPPED_HEADS
     from ddspec.models.loading import load_target
     from ddspec.models.tiny import make_tiny_model_dir
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {k} | " + " | ".join(f"{v[n]:.2f}" for n in SIZES) + f" | {v[16] / v[1]:.2f} | {v[64] / v[1]:.2f} |"
                   for k, v in fwd.items()]
         lines += ["", "One draft level of the shipped head (ms, median):", "",
-                  "| top_k | " + " | ".join(str(k) for k in LEVEL_TOP_KS) + " |", "|---|" + "---|" * len(LEVEL_TOP_KS),
-                  "| ms | " + " | ".join(f"{levels[k]:.2f}" for k in LEVEL_TOP_KS) + " |", "",
+                  *level_rows(levels), "",
                   f"Greedy decoding, {args.new_tokens} new tokens, median of 3: ddspec plain {ours:.1f} tokens/s, "
                   f"HF `generate` {theirs:.1f} tokens/s ({ours / theirs:.2f}x).", "",
                   "Methods with the shipped head on this random model (it accepts almost nothing: costs, not speedups):",
@@ -154,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("")
         print("\n".join(lines[start:]), flush=True)
         del native, hf
-    report = "\n".join(lines)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report + "\n")
+    write_report(args.out, "\n".join(lines))
     return 0
 
 

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"equals plain decoding with the same setting).")
     else:
         int8_note = "No `--activations int8` arm here (the model has no GGUF blocks or the kernels are unavailable)."
-    curve_rows = [f"| native, int8 activations | " + " | ".join(f"{fwd['int8'][n]:.1f}" for n in SIZES) + " |"
+    curve_rows = ["| native, int8 activations | " + " | ".join(f"{fwd['int8'][n]:.1f}" for n in SIZES) + " |"
                   ] if int8 is not None else []
     ratio = lambda f: f"T(8)/T(1) = {f[8] / f[1]:.2f}x, T(16)/T(1) = {f[16] / f[1]:.2f}x"  # noqa: E731
 
@@ -299,16 +299,25 @@ def main(argv: list[str] | None = None) -> int:
         "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "
         "+ top-k; ms, median):",
         "",
-        "| top_k | " + " | ".join(str(k) for k in LEVEL_TOP_KS) + " |",
-        "|---|" + "---|" * len(LEVEL_TOP_KS),
-        "| ms | " + " | ".join(f"{levels[k]:.2f}" for k in LEVEL_TOP_KS) + " |",
+        *level_rows(levels),
     ]
     report = "\n".join(lines)
     print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report + "\n")
+    write_report(args.out, report)
     return 0
+
+
+def level_rows(levels: dict[int, float]) -> list[str]:
+    """The markdown table of one draft level's ms by top_k."""
+    return ["| top_k | " + " | ".join(str(k) for k in LEVEL_TOP_KS) + " |", "|---|" + "---|" * len(LEVEL_TOP_KS),
+            "| ms | " + " | ".join(f"{levels[k]:.2f}" for k in LEVEL_TOP_KS) + " |"]
+
+
+def write_report(out: Path | None, report: str) -> None:
+    """Also write the report to ``out`` (markdown), when given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report + "\n")
 
 
 if __name__ == "__main__":
