@@ -44,9 +44,7 @@ from ddspec.machine import device_sync
 from ddspec.methods import HEADLESS, METHODS, split_method, tree_config
 from ddspec.prompts import chat_prompt_ids
 
-if TYPE_CHECKING:  # torch and the engine load when a run starts, not when the CLI parser is built
-    import torch
-
+if TYPE_CHECKING:  # the engine (and torch) load when a run starts, not when the CLI parser is built
     from ddspec.engine import Engine, StepStats
 
 # HF arms: name -> extra keyword arguments of `model.generate`
