@@ -104,6 +104,12 @@ def method_rows(target, ids: list[int], n: int, head: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    ap.add_argument("--model", default="shape",
+                    help="'shape' (default): a random model of the default model's shape; or a model as "
+                         "`ddspec generate --model` takes it (e.g. default, where its weights are installed), "
+                         "then the methods' rows are real speedups on the prompt below")
+    ap.add_argument("--prompt", default=None, help="with --model: the user message the methods answer "
+                                                     "(default: the README demo's)")
     ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated (default bfloat16,float32)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15, help="rounds of the forward curve (default 15)")
@@ -120,17 +126,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--device {args.device}: this torch build sees no CUDA GPU", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    head = str(SHIPPED_HEADS["SmolLM2-135M-Instruct"])
-    folder = make_tiny_model_dir(Path(tempfile.mkdtemp()) / "smollm2-shape", "llama", seed=0, **SHAPE)
-    ids = list(range(100, 140))  # a 40-token prompt, as the demo's
-    lines = [f"# GPU check: a random model of SmolLM2-135M's shape on {name}", "",
-             f"Command: `python -m ddspec.bench.gpu --device {args.device}`; torch {torch.__version__}; "
-             f"date: {date.today().isoformat()}.", ""]
+    if args.model == "shape":
+        head = str(SHIPPED_HEADS["SmolLM2-135M-Instruct"])  # the random model has no name to find it by
+        spec = str(make_tiny_model_dir(Path(tempfile.mkdtemp()) / "smollm2-shape", "llama", seed=0, **SHAPE))
+        ids = list(range(100, 140))  # a 40-token prompt, as the demo's
+        title = f"a random model of SmolLM2-135M's shape on {name}"
+    else:
+        from ddspec.args import EXAMPLE_PROMPT
+        from ddspec.prompts import chat_prompt_ids
+
+        head, spec = None, args.model  # the head shipped for the model
+        tokenizer = load_target(spec, impl="hf", device="cpu").tokenizer
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt or EXAMPLE_PROMPT}])
+        title = f"{args.model} on {name}"
+    lines = [f"# GPU check: {title}", "",
+             f"Command: `python -m ddspec.bench.gpu --device {args.device} --model {args.model}`; torch "
+             f"{torch.__version__}; date: {date.today().isoformat()}.", ""]
     print("\n".join(lines), flush=True)
     for dtype_name in args.dtypes.split(","):
         dtype = torch_dtype(dtype_name)
-        native = load_target(str(folder), impl="native", device=args.device, dtype=dtype)
-        hf = load_target(str(folder), impl="hf", device=args.device, dtype=dtype)
+        native = load_target(spec, impl="native", device=args.device, dtype=dtype)
+        hf = load_target(spec, impl="hf", device=args.device, dtype=dtype)
         fwd = {"native": forward_times(native, 256, SIZES, args.reps), "HF adapter": forward_times(hf, 256, SIZES, args.reps)}
         levels = draft_level_times(native, 256, reps=args.reps, head_spec=head)
         plain_rate(native, ids, 16, 1)
@@ -147,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                   *level_rows(levels), "",
                   f"Greedy decoding, {args.new_tokens} new tokens, median of 3: ddspec plain {ours:.1f} tokens/s, "
                   f"HF `generate` {theirs:.1f} tokens/s ({ours / theirs:.2f}x).", "",
-                  "Methods with the shipped head on this random model (it accepts almost nothing: costs, not speedups):",
+                  ("Methods with the shipped head on this random model (it accepts almost nothing: costs, not speedups):"
+                   if args.model == "shape" else "Methods with the model's head, on one prompt:"),
                   "", "| method | output vs plain | ms/step | nodes/step | tau | tokens/s |", "|---|---|---|---|---|---|"]
         lines += method_rows(native, ids, args.new_tokens, head)
         lines.append("")
