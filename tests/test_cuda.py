@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from ddspec.bench.target import common_prefix
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.engine import Engine
 from ddspec.methods import METHODS, make_drafter
@@ -60,15 +61,11 @@ def _own_cost_cache(tmp_path, monkeypatch):
 BF16_TIE = 0.02  # relative to the logit's size: 2.5 bf16 steps (2^-7 each, relative)
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
 def assert_same_up_to_bf16_ties(target, prompt: list[int], ref: list[int], got: list[int], what) -> None:
     """``got`` equals plain decoding's ``ref``, or first departs from it at a tie of the target's logits."""
-    i = first_divergence(ref, got)
-    if i is None:
+    if got == ref:
         return
+    i = common_prefix(ref, got)
     assert target.dtype == torch.bfloat16 and i < len(got), (what, i, ref, got)
     seq = prompt + ref[:i]
     target.reset(len(seq) + 1)

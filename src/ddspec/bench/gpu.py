@@ -32,41 +32,9 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 METHODS = ("lookup", "eagle2", "ddd", "ddspec")
 
 
-def plain_rate(target, ids: list[int], n: int, reps: int) -> float:
-    """Median tokens/s of plain decoding over ``reps`` runs."""
-    from ddspec.config import StopConfig
-    from ddspec.engine import Engine
-    from ddspec.machine import device_sync
-
-    rates = []
-    for _ in range(reps):
-        device_sync(target.device)
-        t = time.perf_counter()
-        Engine(target).generate(ids, StopConfig(max_new_tokens=n, stop_on_eos=False))
-        device_sync(target.device)
-        rates.append(n / (time.perf_counter() - t))
-    return statistics.median(rates)
-
-
-def hf_rate(model, ids: list[int], n: int, reps: int) -> float:
-    from ddspec.machine import device_sync
-
-    x = torch.tensor([ids], device=model.device)
-    rates = []
-    for _ in range(reps):
-        device_sync(model.device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        device_sync(model.device)
-        rates.append(n / (time.perf_counter() - t))
-    return statistics.median(rates)
-
-
-def departure(target, ids: list[int], ref: list[int], got: list[int], i: int | None) -> str:
+def departure(target, ids: list[int], ref: list[int], got: list[int], i: int) -> str:
     """Where a method's output first departs from plain decoding's, with both tokens' logits there."""
-    if i is None:
+    if i >= min(len(ref), len(got)):
         return f"stops after {len(got)} of {len(ref)} tokens"
     seq = ids + ref[:i]
     target.reset(len(seq) + 1)
@@ -76,6 +44,7 @@ def departure(target, ids: list[int], ref: list[int], got: list[int], i: int | N
 
 def method_rows(target, ids: list[int], n: int, head: str) -> list[str]:
     """Each method against plain decoding: same tokens (or the first departure), ms per step, tau."""
+    from ddspec.bench.target import common_prefix
     from ddspec.config import StopConfig
     from ddspec.engine import Engine
     from ddspec.machine import device_sync
@@ -92,8 +61,8 @@ def method_rows(target, ids: list[int], n: int, head: str) -> list[str]:
         res = Engine(target, drafter).generate(ids, stop)
         device_sync(target.device)
         wall = time.perf_counter() - t
-        diff = next((i for i, (a, b) in enumerate(zip(ref, res.token_ids)) if a != b), None)
-        same = "identical" if diff is None and len(ref) == len(res.token_ids) else departure(target, ids, ref, res.token_ids, diff)
+        same = "identical" if res.token_ids == ref else departure(target, ids, ref, res.token_ids,
+                                                                   common_prefix(ref, res.token_ids))
         steps = res.stats.steps
         size = statistics.mean(s.tree_size for s in steps) if steps else 0.0
         rows.append(f"| {method} | {same} | {wall / max(len(steps), 1) * 1e3:.2f} | {size:.1f} | "
@@ -116,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     from ddspec.args import torch_dtype
-    from ddspec.bench.target import draft_level_times, forward_times, level_rows, write_report
+    from ddspec.bench.target import (draft_level_times, forward_times, level_rows, time_hf_generate, time_ours,
+                                     write_report)
     from ddspec.methods import SHIPPED_HEADS
     from ddspec.models.loading import load_target
     from ddspec.models.tiny import make_tiny_model_dir
@@ -149,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         hf = load_target(spec, impl="hf", device=args.device, dtype=dtype)
         fwd = {"native": forward_times(native, 256, SIZES, args.reps), "HF adapter": forward_times(hf, 256, SIZES, args.reps)}
         levels = draft_level_times(native, 256, reps=args.reps, head_spec=head)
-        plain_rate(native, ids, 16, 1)
-        hf_rate(hf.model, ids, 16, 1)
-        ours, theirs = plain_rate(native, ids, args.new_tokens, 3), hf_rate(hf.model, ids, args.new_tokens, 3)
+        time_ours(native, ids, 16), time_hf_generate(hf.model, ids, 16)  # warm-ups
+        ours = statistics.median(time_ours(native, ids, args.new_tokens)[0] for _ in range(3))
+        theirs = statistics.median(time_hf_generate(hf.model, ids, args.new_tokens) for _ in range(3))
         start = len(lines)
         lines += [f"## {dtype_name}", "",
                   f"Target forward over N new tokens after a 256-token prefix (ms, median of {args.reps} interleaved rounds):",

@@ -104,10 +104,13 @@ def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> li
 
 def time_ours(target, ids: list[int], n: int) -> tuple[float, list[int]]:
     """tokens/s of plain decoding, and the tokens."""
+    from ddspec.machine import device_sync
+
+    device_sync(target.device)
     t = time.perf_counter()
     res = Engine(target).generate(ids, StopConfig(max_new_tokens=n, stop_on_eos=False))
     assert res.stats.new_tokens == n
-    return n / (time.perf_counter() - t), list(res.token_ids)
+    return n / (time.perf_counter() - t), list(res.token_ids)  # the tokens' .tolist() waited for a GPU
 
 
 def load_int8():
@@ -127,11 +130,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def time_hf_generate(model, ids: list[int], n: int) -> float:
+    from ddspec.machine import device_sync
+
     x = torch.tensor([ids], device=model.device)
+    device_sync(model.device)
     t = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0)
+    device_sync(model.device)
     assert out.shape[1] - x.shape[1] == n
     return n / (time.perf_counter() - t)
 
@@ -154,13 +161,9 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
               for n in sizes}
     def run(n: int) -> None:
         target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
-        device_sync(target.device)
+        device_sync(target.device)  # a GPU's work done inside the timing
 
-    def setup(n: int) -> None:
-        target.truncate(prefix)
-        device_sync(target.device)
-
-    medians = interleaved_medians(sizes, run, reps, setup=setup)
+    medians = interleaved_medians(sizes, run, reps, setup=lambda n: target.truncate(prefix))
     target.truncate(prefix)
     return {n: m * 1e3 for n, m in medians.items()}
 

@@ -7,6 +7,5 @@ import torch.nn.functional as F
 
 
 def fusion_input(states: list[torch.Tensor], eps: float = 1e-6) -> torch.Tensor:
-    """The fused head's extra input: the listed residual streams, each RMS-normalised (no weight, in
-    fp32), concatenated, in the streams' own dtype (what the fuse weight is held in)."""
-    return torch.cat([F.rms_norm(s.float(), (s.shape[-1],), None, eps) for s in states], dim=-1).to(states[0].dtype)
+    """The fused head's extra input: the listed residual streams, each RMS-normalised (no weight), concatenated."""
+    return torch.cat([F.rms_norm(s.float(), (s.shape[-1],), None, eps) for s in states], dim=-1)

@@ -85,7 +85,7 @@ class PackedHead:
             return f
         states = [target_out.hidden_states[i] for i in self.fuse_layers]
         extra = fusion_input(states if rows is None else [s[rows] for s in states])
-        return f + self.fuse(extra, self.plan.kernel(extra.shape[0]))
+        return f + self.fuse(extra.to(f.dtype), self.plan.kernel(extra.shape[0]))  # as EagleHead.fused_features
 
     @torch.inference_mode()
     def __call__(

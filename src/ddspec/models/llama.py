@@ -12,6 +12,7 @@ weight shapes, and cached (``<cache root>/kernels/``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -214,10 +215,9 @@ def attention(
     qk = rotary.apply(torch.cat([q, k], dim=-1).view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
     keys, values = attend(qk[:, :, nh:].transpose(1, 2), v.view(b, n, nkv, d).transpose(1, 2))
     query = qk[:, :, :nh].transpose(1, 2)
-    if mask is not None and query.is_cuda:  # no cuDNN plan per shape (see masked_attention_backends)
-        with masked_attention_backends(query.device):
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv)
-    else:
+    # a GPU: no cuDNN plan per shape (see masked_attention_backends); the CPU path skips even the call
+    backends = masked_attention_backends(query.device) if mask is not None and query.is_cuda else contextlib.nullcontext()
+    with backends:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, N, D]
     return out.transpose(1, 2).reshape(b, n, nh * d)
 
