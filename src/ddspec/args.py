@@ -121,6 +121,11 @@ def add_tree_args(p: argparse.ArgumentParser):
                    help="a head with a reduced draft vocabulary that scores through the target's lm_head (the shipped "
                         "head) also drafts up to N tokens of the prompt and answer that its vocabulary lacks: names "
                         f"and terms the answer repeats (default {d.context_vocab}; 0 = off). Never changes the output")
+    g.add_argument("--ngram-table", default=d.ngram_table, metavar="auto|none|FILE",
+                   help="lookup and ddspec: where the context offers no draft, draft what the target usually writes "
+                        "after the context's last tokens, from an n-gram table of its own answers (`ddspec ngrams` "
+                        "makes one). auto (default) = the table shipped for the model, if any; none = off. Never "
+                        "changes the output")
     return g
 
 
@@ -137,7 +142,8 @@ def tree_from_args(args: argparse.Namespace) -> TreeConfig:
     return TreeConfig(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens,
                       ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
                       max_depth=args.max_depth, draft_temperature=getattr(args, "draft_temperature", None),
-                      context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab))
+                      context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab),
+                      ngram_table=getattr(args, "ngram_table", TreeConfig().ngram_table))
 
 
 def setup_torch(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from ddspec.errors import DdspecError
 
 # Modules that provide more subcommands: each has add_parser(subparsers), which must call
 # parser.set_defaults(handler=fn) with fn(args) -> exit status.
-EXTRA_COMMANDS = ("ddspec.bench.cli", "ddspec.train.cli", "ddspec.tune", "ddspec.server.cli")
+EXTRA_COMMANDS = ("ddspec.bench.cli", "ddspec.train.cli", "ddspec.train.ngrams", "ddspec.tune", "ddspec.server.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

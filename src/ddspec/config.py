@@ -98,6 +98,10 @@ class TreeConfig:
     # a head drafting over a reduced vocabulary through the target's lm_head also drafts up to this
     # many tokens of the context that its vocabulary lacks (draft/context_vocab.py); 0 = off
     context_vocab: int = 256
+    # drafts where the context offers none (lookup, and ddspec's lookup chain): the target's own earlier
+    # answers as an n-gram table (draft/ngram_table.py): "auto" = the one shipped for the target, if
+    # any; "none" = off; or a file written by `ddspec ngrams`
+    ngram_table: str = "auto"
 
     def __post_init__(self) -> None:
         if self.shape not in TREE_SHAPES:
@@ -120,6 +124,8 @@ class TreeConfig:
         if isinstance(self.context_vocab, bool) or not isinstance(self.context_vocab, int) or self.context_vocab < 0:
             raise ConfigError(f"context_vocab (--context-vocab) must be an integer >= 0 (0 = off), "
                               f"got {self.context_vocab!r}")
+        if not isinstance(self.ngram_table, str) or not self.ngram_table:
+            raise ConfigError(f"ngram_table (--ngram-table) must be auto, none or a file, got {self.ngram_table!r}")
         threshold = _check_number("ddd_threshold (--ddd-threshold)", self.ddd_threshold)
         if threshold > 0 or math.isinf(threshold):
             raise ConfigError(

@@ -15,7 +15,9 @@ A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_
 top_k 4 and 8 verified tokens, which is how ``ddspec tune`` names its best static setting and
 how ``ddspec bench`` runs it next to the others. A last ``t<T>`` sets the greedy draft
 temperature (``--draft-temperature``): ``eagle2@t1`` is EAGLE-2 on the raw head's scores. A last
-``c<N>`` sets ``--context-vocab``: ``eagle2@c0`` drafts from the head's own vocabulary alone.
+``c<N>`` sets ``--context-vocab``: ``eagle2@c0`` drafts from the head's own vocabulary alone. A
+last ``g0`` turns the n-gram table of the target's own answers off (``--ngram-table none``):
+``lookup@g0`` is prompt lookup on the context alone.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
 
 
 _SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
-                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?(?:c(?P<context_vocab>\d+))?")
+                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?(?:c(?P<context_vocab>\d+))?(?:g(?P<ngram_table>[01]))?")
 
 
 def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
     """``'eagle2@d3k4n8'`` -> ``('eagle2', {'depth': 3, 'top_k': 4, 'total_tokens': 8})``; ``'ddd'`` -> ``('ddd', {})``;
-    ``'eagle2@t0.8'`` -> ``('eagle2', {'draft_temperature': 0.8})``."""
+    ``'eagle2@t0.8'`` -> ``('eagle2', {'draft_temperature': 0.8})``; ``'lookup@g0'`` -> ``('lookup', {'ngram_table': 'none'})``."""
     method, _, sizes = spec.partition("@")
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -53,10 +55,13 @@ def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
     m = _SIZED.fullmatch(sizes)
     if method == "vanilla" or not sizes or m is None:
         raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>"
-                          "t<draft temperature>c<context vocab>, any of them in that order, e.g. eagle2@d3k4n8, eagle2@t1 "
-                          "or eagle2@c0")
-    return method, {k: float(v) if k == "draft_temperature" else int(v)
-                    for k, v in m.groupdict().items() if v is not None}
+                          "t<draft temperature>c<context vocab>g<0|1: n-gram table>, any of them in that order, "
+                          "e.g. eagle2@d3k4n8, eagle2@t1, eagle2@c0 or lookup@g0")
+    sizes = {k: float(v) if k == "draft_temperature" else int(v)
+             for k, v in m.groupdict().items() if v is not None and k != "ngram_table"}
+    if m["ngram_table"] == "0":
+        sizes["ngram_table"] = "none"
+    return method, sizes
 
 
 def method_label(method: str, cfg: TreeConfig) -> str:
@@ -111,8 +116,10 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
     name, sizes = split_method(method)
     if name == "lookup":
         from ddspec.draft.lookup import DEPTH, LookupDrafter
+        from ddspec.draft.ngram_table import resolve_table
 
-        return LookupDrafter(sizes.get("depth", DEPTH), max_position=target.info.max_position)
+        return LookupDrafter(sizes.get("depth", DEPTH), max_position=target.info.max_position,
+                             table=resolve_table(cfg.ngram_table, target))
     if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":
@@ -152,10 +159,13 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
                              max_tokens=cfg.total_tokens, persist=persist)
     from ddspec.draft.lookup import LookupDrafter
+    from ddspec.draft.ngram_table import resolve_table
 
-    # free drafts for its plain steps, down to a match on the last token alone: the policy verifies
-    # as many of a continuation's tokens as pay for their order (CostAwarePolicy.chain_length)
-    lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position)
+    # free drafts for its plain steps, down to a match on the last token alone, then the n-gram table
+    # of the target's answers: the policy verifies as many of a continuation's tokens as pay for
+    # their order (CostAwarePolicy.chain_length; a table match's order is TABLE_ORDER + n)
+    lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position,
+                           table=resolve_table(cfg.ngram_table, target))
     return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)
 
 

@@ -88,6 +88,8 @@ def run_settings(args: argparse.Namespace) -> dict:
         settings["draft_temperature"] = args.draft_temperature
     if getattr(args, "context_vocab", None) is not None:  # likewise
         settings["context_vocab"] = args.context_vocab
+    if getattr(args, "ngram_table", "auto") != "auto":  # likewise
+        settings["ngram_table"] = args.ngram_table
     return settings
 
 

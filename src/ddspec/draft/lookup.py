@@ -10,6 +10,8 @@ head's level is dear, it can pay where a head does not. Lossless like every meth
 verifies the chain (greedy or sampling, the draft is deterministic).
 
 The n-grams ending at each committed position are indexed once, so a step costs O(max_ngram).
+Where the context has no match, an :class:`~ddspec.draft.ngram_table.NgramTable` of the target's
+own earlier answers, when given, offers what the target usually writes after the context's ending.
 """
 
 from __future__ import annotations
@@ -21,18 +23,21 @@ from ddspec.tree import DraftTree
 from ddspec.verify import Verdict
 
 DEPTH = 3  # chain length when the method name does not set one (lookup@d<depth>): 2-5 measured alike, 6 slower
+TABLE_ORDER = 100  # ``order`` of a table match: TABLE_ORDER + n for an n-token ending (kept apart from context matches)
 
 
 class LookupDrafter:
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, depth: int = DEPTH, max_ngram: int = 3, min_ngram: int = 2,
-                 max_position: int | None = None) -> None:
-        """max_position: the target's context window (drafts never go past it)."""
+                 max_position: int | None = None, table=None) -> None:
+        """max_position: the target's context window (drafts never go past it). table: an
+        NgramTable asked when the context has no match (None: the context alone)."""
         if depth < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"lookup needs depth >= 1 and 1 <= min_ngram <= max_ngram, got {depth}, "
                              f"{min_ngram}, {max_ngram}")
         self.depth, self.max_ngram, self.min_ngram, self.max_position = depth, max_ngram, min_ngram, max_position
+        self.table = table
         self.tokens: list[int] = []  # committed tokens by position, then the current root
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the last position it ended at
         self._indexed = 0  # n-grams ending before this position are in the index
@@ -61,7 +66,8 @@ class LookupDrafter:
 
     def continuation(self) -> list[int]:
         """The drafts for the current context: what followed the latest earlier occurrence of its
-        longest indexed ending (at most ``depth`` tokens), or [] without one."""
+        longest indexed ending (at most ``depth`` tokens); without one, the table's continuation of
+        its ending (``order`` = TABLE_ORDER + n); [] when neither has one."""
         self._update_index()
         t = self.tokens
         for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
@@ -69,6 +75,11 @@ class LookupDrafter:
             if end is not None:
                 self.order = n
                 return t[end + 1:end + 1 + self.depth]
+        if self.table is not None:
+            n, drafts = self.table.continuation(t)
+            if drafts:
+                self.order = TABLE_ORDER + n
+                return drafts[:self.depth]
         self.order = 0
         return []
 

@@ -1,0 +1,167 @@
+"""Drafts from the target's own earlier answers: an n-gram table of what it tends to write next.
+
+Prompt lookup (lookup.py) drafts only where the current context repeats itself. A small model
+also repeats itself *across* answers: the same openings, list markers, code idioms and closing
+phrases. This table holds, for the 4-, 3- and 2-token endings seen at least ``min_count`` times
+in the target's greedy answers to training prompts, the continuation it most often wrote after
+them (up to ``depth`` tokens): the first token is the most frequent next token, each further one
+the most frequent after that prefix. Each token carries its share: the fraction of the ending's
+occurrences that went on with the whole prefix up to it, and the continuation is cut where the
+share falls below ``min_share``.
+
+Drafting from it costs a dict lookup. The target verifies every draft, so the output is exactly
+plain decoding's whatever the table holds (a table from another model only guesses worse; one
+for another vocabulary is refused). In the spirit of REST (He et al., 2023, "REST: Retrieval-Based
+Speculative Decoding"), with the datastore made of the target's own greedy text.
+
+File: safetensors with ``grams`` int32 [M, 4] (the ending, left-padded with -1), ``orders``
+int8 [M], ``tokens`` int32 [M, depth] (-1 padded) and ``shares`` uint8 [M, depth] (share x 255),
+plus metadata (the target's name and vocabulary size, how the table was built).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ddspec.errors import DdspecError
+
+ORDERS = (4, 3, 2)  # endings looked up, longest first
+DEPTH = 6  # tokens kept per continuation
+TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
+SHIPPED_TABLES = {"SmolLM2-135M-Instruct": TABLES_DIR / "smollm2-135m-instruct.ngrams.safetensors"}
+
+
+class NgramTable:
+    def __init__(self, entries: dict[tuple[int, ...], tuple[list[int], list[float]]], meta: dict,
+                 min_share: float = 0.3) -> None:
+        """entries: ending -> (continuation tokens, their shares). min_share: where lookups cut a
+        continuation (at least the share it was built with)."""
+        self.entries, self.meta, self.min_share = entries, meta, min_share
+        self.orders = tuple(sorted({len(k) for k in entries}, reverse=True)) or ORDERS
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @classmethod
+    def build(cls, sequences: Iterable[list[int]], meta: dict, orders: tuple[int, ...] = ORDERS, depth: int = DEPTH,
+              min_count: int = 2, min_share: float = 0.25) -> "NgramTable":
+        """The table of these token sequences (the target's answers)."""
+        if not orders or min(orders) < 1 or max(orders) > 4 or depth < 1 or min_count < 1:
+            raise ValueError(f"bad table settings: orders {orders}, depth {depth}, min_count {min_count}")
+        after: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
+        for seq in sequences:
+            seq = list(seq)
+            for n in orders:
+                for i in range(n, len(seq)):
+                    after[tuple(seq[i - n:i])].append(tuple(seq[i:i + depth]))
+        entries = {}
+        for ending, conts in after.items():
+            total = len(conts)
+            if total < min_count:
+                continue
+            tokens, shares = [], []
+            for d in range(depth):  # walk down the most frequent branch
+                counts = Counter(c[d] for c in conts if len(c) > d)
+                if not counts:
+                    break
+                token, count = counts.most_common(1)[0]
+                if count / total < min_share:
+                    break
+                tokens.append(token)
+                shares.append(count / total)
+                conts = [c for c in conts if len(c) > d and c[d] == token]
+            if tokens:
+                entries[ending] = (tokens, shares)
+        meta = dict(meta, orders=list(orders), depth=depth, min_count=min_count, min_share=min_share)
+        return cls(entries, meta, max(min_share, 0.3))
+
+    def continuation(self, tokens: list[int]) -> tuple[int, list[int]]:
+        """(n, drafts): the continuation stored for the longest ending of ``tokens`` in the table,
+        cut where its share falls below ``min_share``; (0, []) when no ending is in it."""
+        for n in self.orders:
+            if n > len(tokens):
+                continue
+            entry = self.entries.get(tuple(tokens[-n:]))
+            if entry is None:
+                continue
+            out = []
+            for token, share in zip(*entry):
+                if share < self.min_share:
+                    break
+                out.append(token)
+            if out:
+                return n, out
+        return 0, []
+
+    # -- files ---------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        keys = list(self.entries)
+        depth = max((len(v[0]) for v in self.entries.values()), default=1)
+        grams = torch.full((len(keys), 4), -1, dtype=torch.int32)
+        tokens = torch.full((len(keys), depth), -1, dtype=torch.int32)
+        shares = torch.zeros(len(keys), depth, dtype=torch.uint8)
+        orders = torch.zeros(len(keys), dtype=torch.int8)
+        for i, k in enumerate(keys):
+            grams[i, 4 - len(k):] = torch.tensor(k, dtype=torch.int32)
+            orders[i] = len(k)
+            t, s = self.entries[k]
+            tokens[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            shares[i, :len(s)] = torch.tensor([round(x * 255) for x in s], dtype=torch.uint8)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"grams": grams, "orders": orders, "tokens": tokens, "shares": shares}, str(tmp),
+                  metadata={"ddspec_ngrams": json.dumps(self.meta)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NgramTable":
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise DdspecError(f"no n-gram table at {path}: give a file written by `ddspec ngrams`, or "
+                              "--ngram-table none")
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads((f.metadata() or {}).get("ddspec_ngrams", "null"))
+                t = {k: f.get_tensor(k) for k in ("grams", "orders", "tokens", "shares")}
+        except Exception as e:  # a file of another kind, or truncated
+            raise DdspecError(f"{path} is not an n-gram table written by `ddspec ngrams` ({e})") from e
+        if not isinstance(meta, dict):
+            raise DdspecError(f"{path} is not an n-gram table written by `ddspec ngrams` (no ddspec_ngrams metadata)")
+        entries = {}
+        for g, n, tok, sh in zip(t["grams"].tolist(), t["orders"].tolist(), t["tokens"].tolist(), t["shares"].tolist()):
+            k = sum(1 for x in tok if x >= 0)
+            entries[tuple(g[4 - n:])] = (tok[:k], [s / 255 for s in sh[:k]])
+        return cls(entries, meta, max(float(meta.get("min_share", 0.3)), 0.3))
+
+    def check_target(self, target) -> None:
+        """Refuse a table made for another vocabulary (its token ids would mean other tokens)."""
+        vocab = self.meta.get("vocab_size")
+        if vocab is not None and vocab != target.info.vocab_size:
+            raise DdspecError(f"the n-gram table was made for a vocabulary of {vocab} tokens "
+                              f"({self.meta.get('target', '?')}), but {target.info.name} has {target.info.vocab_size}: "
+                              "make one for this model with `ddspec ngrams`, or pass --ngram-table none")
+
+
+def resolve_table(spec: str | None, target) -> NgramTable | None:
+    """The table for --ngram-table: 'auto' (the one shipped for this target, if any), 'none', or a file."""
+    if spec in (None, "none"):
+        return None
+    if spec == "auto":
+        path = SHIPPED_TABLES.get(target.info.name)
+        if path is None or not path.is_file():
+            return None
+    else:
+        path = Path(spec)
+    table = NgramTable.load(path)
+    table.check_target(target)
+    return table
