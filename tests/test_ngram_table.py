@@ -42,7 +42,7 @@ def test_continuation_prefers_the_longest_ending_and_cuts_at_min_share():
 
 def test_save_and_load_round_trip(tmp_path):
     seqs = [[1, 2, 3, 4, 5, 6, 7]] * 2 + [[10, 11, 12, 13]] * 3 + [[1, 2, 3, 40]]
-    table = NgramTable.build(seqs, META)
+    table = NgramTable.build(seqs, META, min_count=2)
     path = tmp_path / "t.safetensors"
     table.save(path)
     back = NgramTable.load(path)
@@ -52,6 +52,10 @@ def test_save_and_load_round_trip(tmp_path):
         assert back.entries[k][0] == tokens
         assert back.entries[k][1] == pytest.approx(shares, abs=1 / 255)
     assert back.continuation([0, 10, 11]) == table.continuation([0, 10, 11]) == (2, [12, 13])
+    big = NgramTable({(70000, 1): ([2, 70001], [0.9, 0.8])}, META)  # ids past uint16: int32 in the file
+    big.save(path)
+    assert NgramTable.load(path).entries == {(70000, 1): ([2, 70001], [pytest.approx(0.9, abs=1 / 255),
+                                                                       pytest.approx(0.8, abs=1 / 255)])}
 
 
 def test_bad_files_and_vocabularies_are_refused_with_a_message(tmp_path, tiny_targets):
@@ -63,7 +67,7 @@ def test_bad_files_and_vocabularies_are_refused_with_a_message(tmp_path, tiny_ta
         NgramTable.load(junk)
     target = tiny_targets[("llama", "native")]
     other = tmp_path / "other.safetensors"
-    NgramTable.build([[1, 2, 3]] * 2, {"target": "big", "vocab_size": target.info.vocab_size + 1}).save(other)
+    NgramTable.build([[1, 2, 3]] * 3, {"target": "big", "vocab_size": target.info.vocab_size + 1}).save(other)
     with pytest.raises(DdspecError, match="vocabulary"):
         resolve_table(str(other), target)
     assert resolve_table("none", target) is None
@@ -81,6 +85,15 @@ def test_lookup_asks_the_table_only_where_the_context_has_no_match():
     d.tokens += [9, 7, 8]  # now "7 8" occurred before, followed by 9
     assert d.continuation() == [9, 7, 8] and d.order == 2
     assert LookupDrafter(depth=3).continuation() == []
+    # a match on the last token alone comes after the table (ddspec's lookup goes down to one token)
+    d = LookupDrafter(depth=3, min_ngram=1, table=table)
+    d.reset(64)
+    d.prefill(torch.tensor([8, 5, 5, 7]), None, torch.tensor(8))
+    assert d.continuation() == [1, 2, 3] and d.order == TABLE_ORDER + 2  # not "8" -> 5 5 7
+    d.tokens += [6]
+    assert d.continuation() == [] and d.order == 0
+    d.tokens += [5]
+    assert d.continuation() == [7, 8, 6] and d.order == 1  # no table entry: the context's one-token match
 
 
 def test_method_suffix_turns_the_table_off():
@@ -101,7 +114,7 @@ def test_lookup_with_a_table_is_greedy_identical_to_plain(tiny_targets, family, 
     train = [[3 + i, 20 + 2 * i, 9] for i in range(12)]
     answers = [Engine(target).generate(p, stop).token_ids for p in train]
     path = tmp_path / "table.safetensors"
-    NgramTable.build(answers, {"vocab_size": target.info.vocab_size}).save(path)
+    NgramTable.build(answers, {"vocab_size": target.info.vocab_size}, min_count=2).save(path)
     base = TreeConfig(top_k=3, depth=3, total_tokens=8, ngram_table=str(path))
     from ddspec import calibrate
 
@@ -130,7 +143,7 @@ def test_ddspec_learns_table_chains_apart_from_context_ones(tiny_targets, monkey
     prompt = [100, 3, 64, 12, 99]
     ref = Engine(target).generate(prompt, stop).token_ids
     seq = prompt + ref
-    table = NgramTable.build([seq, seq], {"vocab_size": target.info.vocab_size})
+    table = NgramTable.build([seq, seq], {"vocab_size": target.info.vocab_size}, min_count=2)
     drafter = eagle(target, "ddspec")
     drafter.lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position, table=table)
     monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda chain=None: False)
@@ -161,4 +174,6 @@ def test_ngrams_command_answers_resumes_and_builds(tmp_path, tiny_dirs):
     assert table.meta["answers"] == 4
     assert main(args) == 0  # a rerun resumes: nothing more to answer
     assert len(open(out / "answers.jsonl").readlines()) == 4
-    assert main(args[:-2] + ["--model", str(tiny_dirs["llama"]), "--cap", "bad"]) == 2
+    assert main(args + ["--max-prompts", "3"]) == 0  # a table of the sample's first 3 answers
+    assert NgramTable.load(out / "ngrams.safetensors").meta["answers"] == 3
+    assert main(args + ["--cap", "bad"]) == 2

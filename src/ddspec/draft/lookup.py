@@ -66,22 +66,30 @@ class LookupDrafter:
 
     def continuation(self) -> list[int]:
         """The drafts for the current context: what followed the latest earlier occurrence of its
-        longest indexed ending (at most ``depth`` tokens); without one, the table's continuation of
-        its ending (``order`` = TABLE_ORDER + n); [] when neither has one."""
+        longest indexed ending (at most ``depth`` tokens). A table, when given, is asked before a
+        match on the context's last token alone: a 2-4 token ending of the target's usual text
+        guesses better than one token (``order`` = TABLE_ORDER + n). [] when nothing matches."""
         self._update_index()
         t = self.tokens
         for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
+            if n == 1 and (drafts := self._from_table()):
+                return drafts
             end = self._index.get(tuple(t[-n:]))
             if end is not None:
                 self.order = n
                 return t[end + 1:end + 1 + self.depth]
-        if self.table is not None:
-            n, drafts = self.table.continuation(t)
-            if drafts:
-                self.order = TABLE_ORDER + n
-                return drafts[:self.depth]
+        if self.min_ngram > 1 and (drafts := self._from_table()):
+            return drafts
         self.order = 0
         return []
+
+    def _from_table(self) -> list[int]:
+        if self.table is None:
+            return []
+        n, drafts = self.table.continuation(self.tokens)
+        if drafts:
+            self.order = TABLE_ORDER + n
+        return drafts[:self.depth]
 
     def propose(self, root: torch.Tensor, position: int, drafts: list[int] | None = None) -> DraftTree:
         """A chain of the continuation's tokens (``drafts``: these instead, e.g. a continuation cut short)."""

@@ -14,9 +14,10 @@ plain decoding's whatever the table holds (a table from another model only guess
 for another vocabulary is refused). In the spirit of REST (He et al., 2023, "REST: Retrieval-Based
 Speculative Decoding"), with the datastore made of the target's own greedy text.
 
-File: safetensors with ``grams`` int32 [M, 4] (the ending, left-padded with -1), ``orders``
-int8 [M], ``tokens`` int32 [M, depth] (-1 padded) and ``shares`` uint8 [M, depth] (share x 255),
-plus metadata (the target's name and vocabulary size, how the table was built).
+File: safetensors with ``grams`` [M, 4] (the ending, left-padded), ``orders`` int8 [M], ``tokens``
+[M, depth] (padded) and ``shares`` uint8 [M, depth] (share x 255), plus metadata (the target's name
+and vocabulary size, how the table was built). Token ids are uint16 padded with 65535 when every id
+is below that (half the bytes), else int32 padded with -1.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ddspec.errors import DdspecError
 
 ORDERS = (4, 3, 2)  # endings looked up, longest first
 DEPTH = 6  # tokens kept per continuation
+U16_PAD = 65535  # padding of uint16 token ids
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
 SHIPPED_TABLES = {"SmolLM2-135M-Instruct": TABLES_DIR / "smollm2-135m-instruct.ngrams.safetensors"}
 
@@ -49,7 +51,7 @@ class NgramTable:
 
     @classmethod
     def build(cls, sequences: Iterable[list[int]], meta: dict, orders: tuple[int, ...] = ORDERS, depth: int = DEPTH,
-              min_count: int = 2, min_share: float = 0.25) -> "NgramTable":
+              min_count: int = 3, min_share: float = 0.25) -> "NgramTable":
         """The table of these token sequences (the target's answers)."""
         if not orders or min(orders) < 1 or max(orders) > 4 or depth < 1 or min_count < 1:
             raise ValueError(f"bad table settings: orders {orders}, depth {depth}, min_count {min_count}")
@@ -114,6 +116,8 @@ class NgramTable:
             t, s = self.entries[k]
             tokens[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
             shares[i, :len(s)] = torch.tensor([round(x * 255) for x in s], dtype=torch.uint8)
+        if max(int(grams.max()), int(tokens.max()), 0) < U16_PAD:
+            grams, tokens = (x.masked_fill(x < 0, U16_PAD).to(torch.uint16) for x in (grams, tokens))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -137,6 +141,10 @@ class NgramTable:
             raise DdspecError(f"{path} is not an n-gram table written by `ddspec ngrams` ({e})") from e
         if not isinstance(meta, dict):
             raise DdspecError(f"{path} is not an n-gram table written by `ddspec ngrams` (no ddspec_ngrams metadata)")
+        for key in ("grams", "tokens"):
+            if t[key].dtype == torch.uint16:
+                x = t[key].to(torch.int32)
+                t[key] = x.masked_fill(x == U16_PAD, -1)
         entries = {}
         for g, n, tok, sh in zip(t["grams"].tolist(), t["orders"].tolist(), t["tokens"].tolist(), t["shares"].tolist()):
             k = sum(1 for x in tok if x >= 0)

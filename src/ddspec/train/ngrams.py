@@ -40,11 +40,13 @@ def add_parser(sub) -> None:
     p.add_argument("--cap", default="gsm8k_train:900,gpteacher_codegen:900", metavar="SRC:N,...",
                    help="other counts for some sources (default gsm8k_train:900,gpteacher_codegen:900)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the prompt sample (default 1234)")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="K",
+                   help="answer only the first K prompts of the sample (default: all of it)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer (default 256)")
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer prompts (default 384)")
     p.add_argument("--batch-size", type=int, default=16, help="answers decoded together (default 16)")
-    p.add_argument("--min-count", type=int, default=2,
-                   help="keep an ending seen at least this many times (default 2)")
+    p.add_argument("--min-count", type=int, default=3,
+                   help="keep an ending seen at least this many times (default 3)")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -92,15 +94,15 @@ def run(args: argparse.Namespace) -> int:
     from ddspec.prompts import chat_prompt_ids
     from ddspec.train.generate import generate_batch
 
-    if args.per_source < 1 or args.batch_size < 1 or args.max_new_tokens < 1 or args.min_count < 1:
-        raise DdspecError("--per-source, --batch-size, --max-new-tokens and --min-count must be >= 1")
+    if min(args.per_source, args.batch_size, args.max_new_tokens, args.min_count, args.max_prompts or 1) < 1:
+        raise DdspecError("--per-source, --batch-size, --max-new-tokens, --min-count and --max-prompts must be >= 1")
     rows = _read_jsonl(args.prompts, "prompts file")
     for r in rows:
         r.setdefault("id", r.get("question_id"))
         if r["id"] is None or not r.get("turns"):
             raise DdspecError(f"{args.prompts}: every line needs an id (or question_id) and turns")
     exclude = {str(r.get("id", r.get("question_id"))) for f in args.exclude for r in _read_jsonl(f, "--exclude file")}
-    picked = pick_prompts(rows, exclude, args.per_source, _caps(args.cap), args.seed)
+    picked = pick_prompts(rows, exclude, args.per_source, _caps(args.cap), args.seed)[:args.max_prompts]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
             with open(answers, "a") as f:  # whole chunks: a rerun resumes after the last one
                 f.write("".join(lines))
             bar.update(len(chunk))
-    sequences = [r["output_ids"] for r in _read_jsonl(str(answers), "answers file")]
+    wanted = {r["id"] for r in picked}  # answers of prompts past --max-prompts (an earlier, longer run) stay out
+    sequences = [r["output_ids"] for r in _read_jsonl(str(answers), "answers file") if r["id"] in wanted]
     if not sequences:
         raise DdspecError(f"no answers in {answers}: nothing to build a table from")
     meta = {"target": target.info.name, "vocab_size": target.info.vocab_size, "answers": len(sequences),
