@@ -116,6 +116,7 @@ def _meta(args, parser, methods: list[str], target) -> dict:
 
     from ddspec.bench.report import machine_info
     from ddspec.bench.runner import WARMUP_TOKENS
+    from ddspec.draft.ngram_table import table_description
     from ddspec.methods import shipped_head
 
     head = args.head or shipped_head(target.info.name)
@@ -127,6 +128,7 @@ def _meta(args, parser, methods: list[str], target) -> dict:
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": f"{target.info.name} ({type(target).__name__}, {args.dtype})",
         "head": str(head) if head else "none",
+        "ngram table": table_description(getattr(args, "ngram_table", "auto"), target),
         "methods": ", ".join(methods),
         "prompts": ", ".join(args.prompts) if args.prompts else "built-in set (ddspec.bench.prompts)",
         "limit per file": args.limit if args.limit is not None else "none",

@@ -173,3 +173,11 @@ def resolve_table(spec: str | None, target) -> NgramTable | None:
     table = NgramTable.load(path)
     table.check_target(target)
     return table
+
+
+def table_description(spec: str, target) -> str:
+    """What --ngram-table names, for reports: the file and its size, or none."""
+    path = SHIPPED_TABLES.get(target.info.name) if spec == "auto" else None if spec == "none" else Path(spec)
+    if path is None or not path.is_file():
+        return "none" + (" (none ships for this model)" if spec == "auto" else "")
+    return f"{path} ({path.stat().st_size / 1e6:.1f} MB; methods named ...@g0 run without it)"
