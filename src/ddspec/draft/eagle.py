@@ -122,8 +122,10 @@ class EagleDrafter:
         self.root_hidden: torch.Tensor | None = None  # [H] f̂ at the root
         self.last_policy = None
         # committed positions whose head entries wait for the next drafted step (the cost-aware
-        # method's plain steps skip the head): input features [n, H] and next tokens [n]
-        self._pending: list[tuple[TargetOutput, torch.Tensor]] = []
+        # method's plain steps skip the head): a forward's features and hidden states, the rows of
+        # them committed (None: all), and the next tokens [n], which the context vocabulary has not
+        # seen yet when ``unseen`` (a plain step leaves all of it to the catch-up: it only records)
+        self._pending: list[tuple[TargetOutput, torch.Tensor | None, torch.Tensor, bool]] = []
         self._plain_step = False
         self._caught_up = False  # this step's draft time includes catching the head up
         self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
@@ -245,7 +247,8 @@ class EagleDrafter:
         self._see(torch.cat([prompt[:1].to(self.device), nxt]))
         if self.cost_policy is not None:  # the head takes the prompt in when it first drafts: on a machine
             # where drafting does not pay, the policy keeps to plain steps and the head never runs
-            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), nxt))
+            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), None, nxt,
+                                  False))
             return
         self._commit_entries(self._committed_features(target_out), nxt)
 
@@ -255,12 +258,12 @@ class EagleDrafter:
         if self._plain_step:  # the head did not draft: keep its input for the next drafted step
             if self.cost_policy is not None and tree.size > 1:  # it verified a lookup chain
                 self.cost_policy.observe_chain(self.lookup.order, tree.size - 1, verdict.accepted)
-            # the raw rows only: the head's input features are computed for all pending rows at once
+            # the raw forward only (not its logits): the committed rows are picked, the head's input
+            # features computed and the context vocabulary told, for all pending steps at once
             path = verdict.path
             nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
-            self._see(nxt)
-            self._pending.append((TargetOutput(None, target_out.features[path],
-                                               {i: h[path] for i, h in target_out.hidden_states.items()}), nxt))
+            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), path, nxt,
+                                  True))
             return
         if self.cost_policy is not None and tree.size > 1:
             n = self._head_nodes  # the acceptance map learns from the head's nodes only
@@ -290,11 +293,19 @@ class EagleDrafter:
         """Catch the head up over the plain steps' positions, in one forward."""
         self._caught_up = bool(self._pending)
         if self._pending:
-            outs, tokens = zip(*self._pending)
+            outs, picks, tokens, unseen = zip(*self._pending)
             self._pending.clear()
-            rows = TargetOutput(None, torch.cat([o.features for o in outs]),
-                                {i: torch.cat([o.hidden_states[i] for o in outs]) for i in outs[0].hidden_states})
-            self._commit_entries(self._committed_features(rows), torch.cat(tokens))
+
+            def rows(x: torch.Tensor, pick: torch.Tensor | None) -> torch.Tensor:
+                return x if pick is None else x[pick]
+
+            new = [t for t, u in zip(tokens, unseen) if u]
+            if new:
+                self._see(torch.cat(new))
+            committed = TargetOutput(None, torch.cat([rows(o.features, p) for o, p in zip(outs, picks)]),
+                                     {i: torch.cat([rows(o.hidden_states[i], p) for o, p in zip(outs, picks)])
+                                      for i in outs[0].hidden_states})
+            self._commit_entries(self._committed_features(committed), torch.cat(tokens))
 
     @property
     def committed(self) -> int:
