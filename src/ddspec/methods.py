@@ -161,9 +161,10 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     from ddspec.draft.lookup import LookupDrafter
     from ddspec.draft.ngram_table import resolve_table
 
-    # free drafts for its plain steps, down to a match on the last token alone, then the n-gram table
-    # of the target's answers: the policy verifies as many of a continuation's tokens as pay for
-    # their order (CostAwarePolicy.chain_length; a table match's order is TABLE_ORDER + n)
+    # free drafts for its plain steps: a match on the context's last 3 or 2 tokens, then the n-gram
+    # table of the target's answers, then a match on the last token alone; the policy verifies as
+    # many of a continuation's tokens as pay for their order (CostAwarePolicy.chain_length; a table
+    # match's order is TABLE_ORDER + n)
     lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position,
                            table=resolve_table(cfg.ngram_table, target))
     return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)

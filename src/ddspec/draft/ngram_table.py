@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -145,10 +146,10 @@ class NgramTable:
             if t[key].dtype == torch.uint16:
                 x = t[key].to(torch.int32)
                 t[key] = x.masked_fill(x == U16_PAD, -1)
-        entries = {}
-        for g, n, tok, sh in zip(t["grams"].tolist(), t["orders"].tolist(), t["tokens"].tolist(), t["shares"].tolist()):
-            k = sum(1 for x in tok if x >= 0)
-            entries[tuple(g[4 - n:])] = (tok[:k], [s / 255 for s in sh[:k]])
+        lengths = (t["tokens"] >= 0).sum(dim=1).tolist()
+        shares = (t["shares"].float() / 255).tolist()
+        entries = {tuple(g[4 - n:]): (tok[:k], sh[:k]) for g, n, tok, sh, k in
+                   zip(t["grams"].tolist(), t["orders"].tolist(), t["tokens"].tolist(), shares, lengths)}
         return cls(entries, meta, max(float(meta.get("min_share", 0.3)), 0.3))
 
     def check_target(self, target) -> None:
@@ -161,7 +162,8 @@ class NgramTable:
 
 
 def resolve_table(spec: str | None, target) -> NgramTable | None:
-    """The table for --ngram-table: 'auto' (the one shipped for this target, if any), 'none', or a file."""
+    """The table for --ngram-table: 'auto' (the one shipped for this target, if any), 'none', or a file.
+    A file is read once per process (the bench and the server build several drafters)."""
     if spec in (None, "none"):
         return None
     if spec == "auto":
@@ -170,9 +172,15 @@ def resolve_table(spec: str | None, target) -> NgramTable | None:
             return None
     else:
         path = Path(spec)
-    table = NgramTable.load(path)
+    stamp = path.stat().st_mtime_ns if path.is_file() else None
+    table = _load_cached(str(path.resolve()), stamp)
     table.check_target(target)
     return table
+
+
+@lru_cache(maxsize=4)
+def _load_cached(path: str, stamp: int | None) -> NgramTable:  # stamp: a rewritten file is read again
+    return NgramTable.load(path)
 
 
 def table_description(spec: str, target) -> str:
