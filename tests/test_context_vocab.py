@@ -132,3 +132,22 @@ def test_a_reused_prefix_keeps_its_own_context_tokens_only(tiny_targets):
     fresh = drafter_for(target, "eagle2", 64)
     assert Engine(target, fresh).generate(follow_up, stop).token_ids == warm.token_ids
     assert engine.drafter.context.ids.tolist() == fresh.context.ids.tolist()
+
+
+def test_ddspec_plain_steps_leave_the_context_to_the_catch_up_in_order(tiny_targets, monkeypatch):
+    """The cost-aware method's plain steps only record their tokens; the head's catch-up tells the
+    context vocabulary, in order, so a drafted step sees what drafting on every step would have."""
+    target = tiny_targets[("llama", "native")]
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    drafter = drafter_for(target, "ddspec", context_vocab=6)
+    choices = iter([True] + [False] * 200)
+    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda chain=None: next(choices))
+    engine = Engine(target, drafter)
+    res = engine.generate(PROMPT, stop)
+    assert res.token_ids == Engine(target).generate(PROMPT, stop).token_ids
+    seen_before = drafter.context.ids.tolist()
+    drafter._flush_pending()
+    reference = ContextVocab(BASE, target.lm_head_weight_t().t(), 6)
+    reference.add(torch.tensor(engine._held + [engine._held_root]))
+    assert drafter.context.ids.tolist() == reference.ids.tolist()
+    assert seen_before != reference.ids.tolist()  # the plain steps' tokens waited for the catch-up
