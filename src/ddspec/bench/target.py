@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ddspec.bench.report import native_kernels_line
-from ddspec.machine import core_count, cpu_name
+from ddspec.machine import core_count, cpu_name, device_sync
 from ddspec.config import StopConfig
 from ddspec.engine import Engine
 from ddspec.prompts import chat_prompt_ids
@@ -104,8 +104,6 @@ def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> li
 
 def time_ours(target, ids: list[int], n: int) -> tuple[float, list[int]]:
     """tokens/s of plain decoding, and the tokens."""
-    from ddspec.machine import device_sync
-
     device_sync(target.device)
     t = time.perf_counter()
     res = Engine(target).generate(ids, StopConfig(max_new_tokens=n, stop_on_eos=False))
@@ -130,8 +128,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def time_hf_generate(model, ids: list[int], n: int) -> float:
-    from ddspec.machine import device_sync
-
     x = torch.tensor([ids], device=model.device)
     device_sync(model.device)
     t = time.perf_counter()
@@ -150,7 +146,7 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     (after a warm-up round) times every N once, in an order rotated every round, so that a change in
     the machine's speed during the run (this VM's moves from minute to minute) lands on every N
     alike instead of on the ratios between them."""
-    from ddspec.machine import device_sync, interleaved_medians
+    from ddspec.machine import interleaved_medians
 
     gen = torch.Generator().manual_seed(0)
     vocab = target.info.vocab_size
@@ -177,7 +173,6 @@ def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int 
     each top_k, after `prefix` committed tokens."""
     from ddspec.config import TreeConfig
     from ddspec.draft.eagle import EagleDrafter
-    from ddspec.machine import device_sync
     from ddspec.methods import resolve_head
 
     head = resolve_head(head_spec, target)

@@ -35,13 +35,14 @@ from ddspec.errors import DdspecError
 ORDERS = (4, 3, 2)  # endings looked up, longest first
 DEPTH = 6  # tokens kept per continuation
 U16_PAD = 65535  # padding of uint16 token ids
+LOOKUP_SHARE = 0.3  # lookups cut a continuation below this share (or the share the table was built with, if higher)
 TABLES_DIR = Path(__file__).resolve().parent.parent / "tables"
 SHIPPED_TABLES = {"SmolLM2-135M-Instruct": TABLES_DIR / "smollm2-135m-instruct.ngrams.safetensors"}
 
 
 class NgramTable:
     def __init__(self, entries: dict[tuple[int, ...], tuple[list[int], list[float]]], meta: dict,
-                 min_share: float = 0.3) -> None:
+                 min_share: float = LOOKUP_SHARE) -> None:
         """entries: ending -> (continuation tokens, their shares). min_share: where lookups cut a
         continuation (at least the share it was built with)."""
         self.entries, self.meta, self.min_share = entries, meta, min_share
@@ -81,7 +82,7 @@ class NgramTable:
             if tokens:
                 entries[ending] = (tokens, shares)
         meta = dict(meta, orders=list(orders), depth=depth, min_count=min_count, min_share=min_share)
-        return cls(entries, meta, max(min_share, 0.3))
+        return cls(entries, meta, max(min_share, LOOKUP_SHARE))
 
     def continuation(self, tokens: list[int]) -> tuple[int, list[int]]:
         """(n, drafts): the continuation stored for the longest ending of ``tokens`` in the table,
@@ -150,7 +151,7 @@ class NgramTable:
         shares = (t["shares"].float() / 255).tolist()
         entries = {tuple(g[4 - n:]): (tok[:k], sh[:k]) for g, n, tok, sh, k in
                    zip(t["grams"].tolist(), t["orders"].tolist(), t["tokens"].tolist(), shares, lengths)}
-        return cls(entries, meta, max(float(meta.get("min_share", 0.3)), 0.3))
+        return cls(entries, meta, max(float(meta.get("min_share", LOOKUP_SHARE)), LOOKUP_SHARE))
 
     def check_target(self, target) -> None:
         """Refuse a table made for another vocabulary (its token ids would mean other tokens)."""
@@ -161,17 +162,23 @@ class NgramTable:
                               "make one for this model with `ddspec ngrams`, or pass --ngram-table none")
 
 
-def resolve_table(spec: str | None, target) -> NgramTable | None:
-    """The table for --ngram-table: 'auto' (the one shipped for this target, if any), 'none', or a file.
-    A file is read once per process (the bench and the server build several drafters)."""
+def table_path(spec: str | None, target) -> Path | None:
+    """The file --ngram-table names: 'auto' = the one shipped for this target (None if none ships),
+    'none' = None, else the path given."""
     if spec in (None, "none"):
         return None
     if spec == "auto":
         path = SHIPPED_TABLES.get(target.info.name)
-        if path is None or not path.is_file():
-            return None
-    else:
-        path = Path(spec)
+        return path if path is not None and path.is_file() else None
+    return Path(spec)
+
+
+def resolve_table(spec: str | None, target) -> NgramTable | None:
+    """The table for --ngram-table (see :func:`table_path`). A file is read once per process (the
+    bench and the server build several drafters)."""
+    path = table_path(spec, target)
+    if path is None:
+        return None
     stamp = path.stat().st_mtime_ns if path.is_file() else None
     table = _load_cached(str(path.resolve()), stamp)
     table.check_target(target)
@@ -185,7 +192,7 @@ def _load_cached(path: str, stamp: int | None) -> NgramTable:  # stamp: a rewrit
 
 def table_description(spec: str, target) -> str:
     """What --ngram-table names, for reports: the file and its size, or none."""
-    path = SHIPPED_TABLES.get(target.info.name) if spec == "auto" else None if spec == "none" else Path(spec)
+    path = table_path(spec, target)
     if path is None or not path.is_file():
         return "none" + (" (none ships for this model)" if spec == "auto" else "")
     return f"{path} ({path.stat().st_size / 1e6:.1f} MB; methods named ...@g0 run without it)"
