@@ -5,6 +5,7 @@ layer's maths, and every method stays lossless with them."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -615,3 +616,32 @@ def test_compiler_probes_are_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_compiler)
     assert native._compiles(compiler, ["-O2"]) is True
     assert native._compiles(compiler, ["-mno-such-flag-here"]) is False
+
+
+@pytest.mark.skipif(not native.wide_available("q4_1"), reason="these kernels were built without the AVX-512 passes")
+def test_the_passes_are_chosen_by_the_run_they_serve(tmp_path, monkeypatch):
+    """measure_wide_on keeps, for each tile size, the option under which the given run is fastest
+    (here a run that sleeps 3 ms unless the option in use is the one wanted for its row count), and
+    tune_wide_on_forward caches that choice and applies it again without running anything."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    before = native.wide_choice()
+    wanted = {rows: native.wide_options(rows)[-1 - rows % 2] for rows in range(1, native.WIDE_ROWS + 1)}
+    seen = []
+
+    def run(rows: int) -> None:
+        seen.append(rows)
+        if native.wide_choice()["q4_1"][rows - 1] != wanted[rows]:
+            time.sleep(0.003)
+
+    try:
+        chosen = native.tune_wide_on_forward(["q4_1"], {"model": "fake"}, run, reps=3)
+        assert chosen == {"q4_1": [wanted[r] for r in range(1, native.WIDE_ROWS + 1)]}
+        assert native.wide_choice()["q4_1"] == chosen["q4_1"]
+        if not list((tmp_path / "kernels").glob("wide-forward-*.json")):
+            pytest.skip("other programs used the CPU while timing: the choice was not cached")
+        native.set_wide("q4_1", before["q4_1"])
+        seen.clear()
+        assert native.tune_wide_on_forward(["q4_1"], {"model": "fake"}, run, reps=3) == chosen
+        assert not seen and native.wide_choice()["q4_1"] == chosen["q4_1"]
+    finally:
+        native.set_wide("q4_1", before["q4_1"])

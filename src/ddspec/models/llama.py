@@ -342,6 +342,7 @@ class NativeLlama:
 
             self._layer_array = layer_array([layer.fused for layer in self.layers])
             self._choose_attention()
+            self._tune_wide(compute, head_name)
 
     def _choose_attention(self, prefix: int = 256, sizes: tuple[int, ...] = (4, 8), reps: int = 9) -> None:
         """Whether the native attention's shared passes run on 16 lanes (where the kernels have them):
@@ -378,6 +379,45 @@ class NativeLlama:
 
         native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                                       "layers": a.num_layers, "hidden": a.hidden_size}, measure)
+
+    def _tune_wide(self, blocks: dict, head_name: str, prefix: int = 128) -> None:
+        """Choose the AVX-512 passes of the kinds this forward multiplies with (the layers' and the
+        lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``: once per
+        machine, cached (native.tune_wide_on_forward). Models whose layer weights are smaller than
+        WIDE_TIMING_BYTES / 4 (test models: they stay in the caches, unlike a real forward's) keep
+        the choice timed on their matmuls alone (_choose_wide)."""
+        from ddspec import native
+
+        streamed = [b for name, b in blocks.items() if name.startswith("layers.")]
+        if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4 or not native.wide_available():
+            return
+        if any(self.layer_plan.kernel(n) != "native" for n in range(1, native.WIDE_ROWS + 1)):
+            return
+        a, rows = self.arch, native.WIDE_ROWS
+        prefix = min(prefix, a.max_position - rows - 1)
+        kinds = sorted({b.kind for b in streamed} | ({blocks[head_name].kind} if head_name in blocks else set()))
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.info.vocab_size
+        inputs = {n: (torch.randint(0, vocab, (n,), generator=gen),
+                      None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril_()) for n in range(1, rows + 1)}
+        prefilled = []
+
+        def setup(n: int) -> None:
+            if not prefilled:
+                self.reset(prefix + rows)
+                self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+                prefilled.append(True)
+            self.truncate(prefix)
+
+        def run(n: int) -> None:
+            self.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
+
+        model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "kinds": kinds,
+                 "bytes": sum(b.nbytes for b in streamed)}
+        try:
+            native.tune_wide_on_forward(kinds, model, run, setup)
+        finally:
+            self.cache = None
 
     def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
         if self.device.type != "cpu" or self.dtype != torch.float32:

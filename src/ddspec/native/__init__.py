@@ -718,6 +718,58 @@ def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     return chosen
 
 
+def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None) -> dict[str, list[int]]:
+    """For each tile size 1..WIDE_ROWS and each of ``kinds`` in turn (the others as chosen so far),
+    the groups per pass (of :func:`wide_options`) under which ``run(rows)`` (a whole forward over that
+    many rows, say) takes the smallest median (:func:`~ddspec.machine.interleaved_medians`, ``setup(rows)``
+    untimed before each call). Starts from the choice in use and leaves the result set."""
+    from ddspec.machine import interleaved_medians
+
+    chosen = {kind: list(wide_choice()[kind]) for kind in kinds}
+    for rows in range(1, WIDE_ROWS + 1):
+        for kind in kinds:
+            def put(g: int, kind=kind, rows=rows) -> None:
+                groups = list(chosen[kind])
+                groups[rows - 1] = g
+                set_wide(kind, groups)
+                if setup is not None:
+                    setup(rows)
+
+            medians = interleaved_medians(wide_options(rows), lambda _, rows=rows: run(rows), reps, setup=put)
+            chosen[kind][rows - 1] = min(medians, key=medians.get)
+            set_wide(kind, chosen[kind])
+    return chosen
+
+
+def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: int = 11) -> dict[str, list[int]]:
+    """The AVX-512 passes' groups per pass for ``kinds`` (those a model's forward multiplies with),
+    chosen on that forward itself: ``run(rows)`` runs it over that many new tokens
+    (:func:`measure_wide_on`). :func:`choose_wide` times each kind's matmuls alone, one call per
+    weight; inside a whole forward (every layer in one C call, attention and norms between the
+    matmuls) another pass can win by much: on an Intel Xeon (family 6, model 167) the int8 model's
+    one-token forward took 3.63 ms with the separately timed choice for Q4_1_A8 (the 8-lane passes)
+    and 3.11 ms with four groups per pass. Cached per CPU, kernel build, thread count and ``model``
+    (a dict naming its shapes), like :func:`choose_wide` (:func:`_cached_choice`); sets the
+    choice either way. Returns {} where the build has no AVX-512 passes for these kinds."""
+    from ddspec.machine import cpu_name
+
+    kinds = sorted(k for k in kinds if k in WIDE_KINDS and wide_available(k))
+    if not kinds:
+        return {}
+
+    def measure() -> dict:
+        print("ddspec: timing the kernel passes on this model's forward (once, cached)", file=sys.stderr)
+        return {"groups": measure_wide_on(run, kinds, reps, setup)}
+
+    def apply(data: dict) -> None:
+        for kind in kinds:
+            set_wide(kind, data["groups"][kind])
+
+    key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
+           "model": model, "kinds": kinds}
+    return _cached_choice("wide-forward", key, measure, apply)["groups"]
+
+
 def _cached_choice(name: str, key: dict, measure, apply) -> dict:
     """A kernel choice measured once per ``key`` (CPU, build, threads, shapes ...): the entry cached in
     ``<cache root>/kernels/<name>-*.json`` when its key matches and ``apply(entry)`` takes it, else
