@@ -61,6 +61,8 @@ def cost_key(target, head, top_k: int, draft_weights: str) -> dict:
 
     if native.available():  # other kernels (a new ddspec, other compiler flags), other costs: measure again
         key["kernels"] = native.build_id()
+        if passes := native.wide_choice():  # the AVX-512 passes chosen on this machine (timed once, cached)
+            key["passes"] = passes
     return key
 
 
