@@ -119,6 +119,11 @@ class DraftTree:
         rounds suffice whatever the depth (no sync).
         """
         n = self.size
+        if self.depths.device.type == "cpu" and int(self.depths[-1]) == n - 1:
+            # a chain (the last node n - 1 deep has every other node as an ancestor): the causal
+            # mask, without the pointer jumping's dozen small ops (a lookup step's 4-node chain:
+            # 0.07 -> 0.01 ms)
+            return torch.ones(n, n, dtype=torch.bool).tril_()
         up = self.parents.clamp(min=0)  # [N], the root is its own parent here
         mask = torch.eye(n, dtype=torch.bool, device=up.device)  # [N, N]
         mask[torch.arange(n, device=up.device), up] = True  # distances 0 and 1
