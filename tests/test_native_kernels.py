@@ -622,8 +622,10 @@ def test_compiler_probes_are_cached(tmp_path, monkeypatch):
 def test_the_passes_are_chosen_by_the_run_they_serve(tmp_path, monkeypatch):
     """measure_wide_on keeps, for each tile size, the option under which the given run is fastest
     (here a run that sleeps 3 ms unless the option in use is the one wanted for its row count), and
-    tune_wide_on_forward caches that choice and applies it again without running anything."""
+    tune_wide_on_forward caches that choice and applies it again without running anything; a
+    later choose_wide (another model loading) leaves it in place."""
     monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_forward_tuned", {})
     before = native.wide_choice()
     wanted = {rows: native.wide_options(rows)[-1 - rows % 2] for rows in range(1, native.WIDE_ROWS + 1)}
     seen = []
@@ -643,5 +645,7 @@ def test_the_passes_are_chosen_by_the_run_they_serve(tmp_path, monkeypatch):
         seen.clear()
         assert native.tune_wide_on_forward(["q4_1"], {"model": "fake"}, run, reps=3) == chosen
         assert not seen and native.wide_choice()["q4_1"] == chosen["q4_1"]
+        native.choose_wide({"q4_1": [quantised("q4_1", 64, 64, seed=2)[0]]})
+        assert native.wide_choice()["q4_1"] == chosen["q4_1"]
     finally:
         native.set_wide("q4_1", before["q4_1"])

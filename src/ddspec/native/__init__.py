@@ -718,6 +718,11 @@ def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     return chosen
 
 
+# the kinds whose passes a model's forward chose (tune_wide_on_forward): a later choose_wide (another
+# model loading, e.g. an fp32 one after an int8 one, sets them back to these); the latest tuned wins
+_forward_tuned: dict[str, list[int]] = {}
+
+
 def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None) -> dict[str, list[int]]:
     """For each tile size 1..WIDE_ROWS and each of ``kinds`` in turn (the others as chosen so far),
     the groups per pass (of :func:`wide_options`) under which ``run(rows)`` (a whole forward over that
@@ -764,6 +769,7 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
     def apply(data: dict) -> None:
         for kind in kinds:
             set_wide(kind, data["groups"][kind])
+            _forward_tuned[kind] = list(data["groups"][kind])
 
     key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
            "model": model, "kinds": kinds}
@@ -829,8 +835,8 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
         return {"groups": chosen, "prefetch": measure_prefetch(streamed) if streamed else 0}
 
     def apply(data: dict) -> None:
-        for kind, groups in data["groups"].items():
-            set_wide(kind, groups)
+        for kind, groups in data["groups"].items():  # (what a model's own forward chose stays)
+            set_wide(kind, _forward_tuned.get(kind, groups))
         set_prefetch(data["prefetch"])
 
     key = {"format": 3, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
