@@ -389,7 +389,8 @@ class NativeLlama:
         from ddspec import native
 
         streamed = [b for name, b in blocks.items() if name.startswith("layers.")]
-        if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4 or not native.wide_available():
+        streamed_bytes = sum(b.nbytes for b in streamed)
+        if streamed_bytes < WIDE_TIMING_BYTES // 4 or not native.wide_available():
             return
         if any(self.layer_plan.kernel(n) != "native" for n in range(1, native.WIDE_ROWS + 1)):
             return
@@ -412,8 +413,7 @@ class NativeLlama:
         def run(n: int) -> None:
             self.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
 
-        model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "kinds": kinds,
-                 "bytes": sum(b.nbytes for b in streamed)}
+        model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "bytes": streamed_bytes}
         try:
             native.tune_wide_on_forward(kinds, model, run, setup)
         finally:

@@ -704,18 +704,10 @@ def measure_prefetch(weights: list[NativeWeight], rows: tuple[int, ...] = (4, 8)
 def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
     """For each tile size 1..WIDE_ROWS, the groups per pass (of :func:`wide_options`) that multiply
     the rows by all of ``weights`` (one kind) fastest here, by their medians
-    (:func:`~ddspec.machine.interleaved_medians`). Leaves that choice set."""
-    from ddspec.machine import interleaved_medians
-
-    kind = WIDE_KINDS[weights[0].kind]
-    chosen = []
-    for rows in range(1, WIDE_ROWS + 1):
-        medians = interleaved_medians(wide_options(rows), _timed_over(weights, rows), reps,
-                                      setup=lambda g: library().dd_set_wide_groups(kind, rows, g))
-        best = min(medians, key=medians.get)
-        library().dd_set_wide_groups(kind, rows, best)
-        chosen.append(best)
-    return chosen
+    (:func:`measure_wide_on`, timing those matmuls alone). Leaves that choice set."""
+    kind = weights[0].kind
+    runs = {rows: _timed_over(weights, rows) for rows in range(1, WIDE_ROWS + 1)}
+    return measure_wide_on(lambda rows: runs[rows](), [kind], reps)[kind]
 
 
 # the kinds whose passes a model's forward chose (tune_wide_on_forward): a later choose_wide (another
