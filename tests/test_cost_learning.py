@@ -439,3 +439,26 @@ def test_what_the_forecasts_leave_out_is_measured_and_counted():
     unseen = CostAwarePolicy(TRUE, AcceptanceModel(), max_depth=11, max_tokens=60)
     assert sum(as_forecast_but_slower(unseen, 300, hidden_ms=30.0)[-100:]) <= 100 / unseen.explore_close + 2
     assert unseen.bias() < 0.8
+
+
+def test_the_calibration_times_small_sizes_as_decoding_meets_them(tiny_targets, monkeypatch):
+    """The forwards right after a large one can be slower than in decoding: the calibration times
+    the sizes largest first, each after SETTLE untimed one-token forwards, so the small sizes' costs
+    are not inflated by the large ones timed before them."""
+    import time
+
+    from ddspec.calibrate import measure_once
+
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    drafter = EagleDrafter(head, target, SMALL)
+    forward, since = target.forward, {"large": 99}
+
+    def slow_after_large(tokens, *a, **k):  # 2 ms + 0.5 ms a token, 30 ms more for the 2 forwards after a 64-token one
+        time.sleep(0.002 + 0.0005 * tokens.numel() + (0.030 if since["large"] < 2 else 0.0))
+        since["large"] = 0 if tokens.numel() >= 64 else since["large"] + 1
+        return forward(tokens, *a, **k)
+
+    monkeypatch.setattr(target, "forward", slow_after_large)
+    cost = measure_once(target, drafter, sizes=(1, 2, 64), reps=3).cost
+    assert cost.verify_ms[1] < 10 and cost.verify_ms[2] < 10  # the 30 ms penalty landed on no timed small size
