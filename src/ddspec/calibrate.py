@@ -35,8 +35,9 @@ from ddspec.tree.cost import CostModel
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # beyond 64: extrapolated (EAGLE-2 verifies <= 60)
 PREFIX = 256
-SETTLE = 2  # untimed one-token forwards before each timed size (measure_once)
-FORMAT = 5  # 3: forwards ask for the head's hidden layers; entries carry spread and load; 4: the root as real steps pay it; 5: sizes timed largest first, each after SETTLE one-token forwards
+SETTLE = 2  # untimed one-token forwards before each timed size (measure_once, bench.target.forward_times)
+SMALL_ROWS = 8  # sizes up to this (decoding's steps) are timed among themselves, after the larger ones
+FORMAT = 5  # 3: forwards ask for the head's hidden layers; entries carry spread and load; 4: the root as real steps pay it; 5: sizes up to SMALL_ROWS timed among themselves, each after SETTLE one-token forwards
 MAX_SPREAD = 0.15  # median relative IQR across rounds above which a calibration is measured again
 ATTEMPTS = 3
 RETRY_BUDGET_S = 15.0  # no new attempt starts after this long (a first run must not take minutes: at most
@@ -112,14 +113,16 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
     drafter._committed = PREFIX
     # every size once per round, rounds repeated: a slow spell of a shared machine then spreads
     # over all sizes instead of bending the curve at a few of them (and shows in the spread).
-    # A forward is slower for a while after a larger one: after 64 tokens the next one-token
-    # forwards took 5.2, 5.1, 4.6, 4.2, 4.0, 3.9 and 3.7 ms (3.6 in decoding; int8 target, Intel
-    # Xeon family 6 model 167), and timed in increasing order the calibrated one-token step was
-    # 60% too dear and the curve nearly flat up to 4 tokens. So the sizes run largest first, each
-    # after SETTLE one-token forwards untimed, as a decoding step follows others of a few tokens.
-    order = sorted(sizes, reverse=True)
-    inputs = {n: torch.randint(0, vocab, (n,), generator=gen) for n in {*order, 1}}
-    times: dict[int, list[float]] = {n: [] for n in order}
+    # A forward runs slower for a while after a large one (a CPU's last-level cache holds part
+    # of the weights between decoding steps, and a large forward's other kernels and buffers push
+    # them out): after 64 tokens the next one-token forwards took 5.2, 5.1, 4.6, 4.2, 4.0, 3.9 and
+    # 3.7 ms (3.6 in decoding; int8 target, Intel Xeon family 6 model 167), and timed in
+    # increasing order with the large sizes, the calibrated one-token step was 60% too dear and
+    # the curve nearly flat up to 4 tokens. So the sizes up to SMALL_ROWS are timed among
+    # themselves, after the larger ones (their own warm-up round restores the decoding state), and
+    # each size after SETTLE one-token forwards untimed, as a decoding step follows others.
+    inputs = {n: torch.randint(0, vocab, (n,), generator=gen) for n in sorted({*sizes, 1})}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
 
     def run(n: int) -> float:
         mask = torch.ones(n, n, dtype=torch.bool).tril_()
@@ -131,15 +134,18 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
         target.truncate(PREFIX)
         return elapsed * 1e3
 
-    for r in range(reps + 1):  # round 0 is a warm-up
-        for n in order:
-            for _ in range(SETTLE):
-                run(1)
-            elapsed = run(n)
-            if r:
-                times[n].append(elapsed)
-        if bar is not None:
-            bar.update(len(sizes) / (reps + 1))
+    large = sorted((n for n in sizes if n > SMALL_ROWS), reverse=True)
+    small = sorted((n for n in sizes if n <= SMALL_ROWS), reverse=True)
+    for group in (large, small):
+        for r in range(reps + 1):  # round 0 is a warm-up
+            for n in group:
+                for _ in range(SETTLE):
+                    run(1)
+                elapsed = run(n)
+                if r:
+                    times[n].append(elapsed)
+            if bar is not None:
+                bar.update(len(group) / (reps + 1))
     verify = {n: statistics.median(ts) for n, ts in times.items()}
     k = drafter.cfg.top_k
     feats = out.features[-k:] if out.features.shape[0] >= k else out.features[-1:].expand(k, -1)

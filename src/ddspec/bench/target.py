@@ -145,7 +145,13 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     The sizes are interleaved (:func:`~ddspec.machine.interleaved_medians`): each of ``reps`` rounds
     (after a warm-up round) times every N once, in an order rotated every round, so that a change in
     the machine's speed during the run (this VM's moves from minute to minute) lands on every N
-    alike instead of on the ratios between them."""
+    alike instead of on the ratios between them. As in the calibration (:func:`~ddspec.calibrate.measure_once`),
+    the sizes up to :data:`~ddspec.calibrate.SMALL_ROWS` are timed among themselves, after the
+    larger ones, and each forward after :data:`~ddspec.calibrate.SETTLE` one-token forwards, untimed:
+    a forward runs slower for a while after a large one, and interleaved with them the int8
+    model's T(1) here read 5.0 ms against 3.5-3.7 ms in decoding (Intel Xeon family 6 model 167),
+    which made T(8) / T(1) look 1.41 instead of about 1.9."""
+    from ddspec.calibrate import SETTLE, SMALL_ROWS
     from ddspec.machine import interleaved_medians
 
     gen = torch.Generator().manual_seed(0)
@@ -159,7 +165,18 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
         target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
         device_sync(target.device)  # a GPU's work done inside the timing
 
-    medians = interleaved_medians(sizes, run, reps, setup=lambda n: target.truncate(prefix))
+    def settle(n: int) -> None:
+        for _ in range(SETTLE):
+            target.truncate(prefix)
+            run(1)
+        target.truncate(prefix)
+
+    if 1 not in inputs:
+        inputs[1] = (torch.randint(0, vocab, (1,), generator=gen), torch.ones(1, 1, dtype=torch.bool))
+    medians = {}
+    for group in ([n for n in sizes if n > SMALL_ROWS], [n for n in sizes if n <= SMALL_ROWS]):
+        if group:
+            medians.update(interleaved_medians(group, run, reps, setup=settle))
     target.truncate(prefix)
     return {n: m * 1e3 for n, m in medians.items()}
 
