@@ -177,6 +177,19 @@ def test_multi_turn_history_holds_each_methods_own_answer(tmp_path, char_tokeniz
     assert all(len(r["wall_times"]) == 2 for r in log.records)
 
 
+def test_no_arm_always_follows_the_same_one():
+    """Over a run's rounds each arm follows each other arm (the caches an arm leaves are paid for by
+    the next one); the order of a round is the same in every run."""
+    from ddspec.bench.runner import arm_order
+
+    arms = ["vanilla", "ddspec", "lookup", "eagle2", "llama.cpp"]
+    rounds = [arm_order(arms, r) for r in range(60)]
+    assert all(sorted(order) == sorted(arms) for order in rounds)
+    assert rounds == [arm_order(arms, r) for r in range(60)]
+    follows = {(order[i - 1] if i else prev[-1], order[i]) for prev, order in zip(rounds, rounds[1:]) for i in range(len(arms))}
+    assert all((a, b) in follows for a in arms for b in arms if a != b)
+
+
 def test_crash_keeps_finished_records_and_resume_completes_without_duplicates(tmp_path, char_tokenizer):
     arms = {"a": FakeArm(char_tokenizer, "A"), "b": FakeArm(char_tokenizer, "B", fail_on=5)}
     log = RecordLog(tmp_path, {}, resume=False)

@@ -137,7 +137,7 @@ def _meta(args, parser, methods: list[str], target) -> dict:
         "repeats": args.repeats,
         "decoding": decoding,
         "fairness": f"one untimed warm-up per method (at most {WARMUP_TOKENS} tokens); methods interleaved per "
-                    "prompt and turn, their order rotated every round; stop at --max-new-tokens or EOS "
+                    "prompt and turn, their order shuffled every round (seeded); stop at --max-new-tokens or EOS "
                     "(counted) for all",
         **({"resumed": "yes: records of the earlier run(s) in this folder are included"} if args.resume else {}),
         **machine_info(torch.get_num_threads(), args.device),

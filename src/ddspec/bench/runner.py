@@ -11,7 +11,11 @@ Arms (one per method name):
   arm is skipped with a message when llama-cpp-python is missing or the model is not a GGUF.
 
 Fairness rules (DESIGN.md §3): one warm-up generation per arm before timing; for each
-(prompt, turn) every repeat runs every arm, in an order rotated from one round to the next;
+(prompt, turn) every repeat runs every arm, in an order shuffled from one round to the next
+(seeded by the round: the same in every run), so that no arm always follows the same one (a
+CPU's caches hold part of the weights between generations, and the first steps of an arm pay
+for the state the one before left: llama.cpp's own weights, a 60-token tree's fp32 lm_head; in
+the rotated order used until 2026-12-04, plain decoding followed llama.cpp in 6 rounds of 7);
 the same stop rules for all (``max_new_tokens``, EOS, which counts as a generated token); new
 tokens are the ids each arm produced, never re-tokenised text; the wall time of one generation
 is measured here, around the whole call, with the same clock for every arm (prefill included).
@@ -31,6 +35,7 @@ prompts are answered turn by turn with each method's own earlier answers in its 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -386,13 +391,21 @@ class Outcome:
     interrupted: bool = False  # Ctrl-C
 
 
+def arm_order(arms: list[str], round_index: int) -> list[str]:
+    """The order the arms run in round ``round_index``: a shuffle seeded by the round (reproducible),
+    so that over a run each arm follows each of the others about as often."""
+    order = list(arms)
+    random.Random(round_index).shuffle(order)
+    return order
+
+
 class Bench:
     """Runs arms over prompts into a RecordLog (what is already in the log is skipped)."""
 
     def __init__(self, arms: dict[str, Arm], tokenizer, log: RecordLog, max_new_tokens: int, repeats: int) -> None:
         self.arms, self.tokenizer, self.log = arms, tokenizer, log
         self.max_new_tokens, self.repeats = max_new_tokens, repeats
-        self.rounds = 0  # rotates the order of the arms from one round to the next
+        self.rounds = 0  # seeds the order of the arms in each round
         self.where = ""  # the generation running now, for progress and error messages
 
     def pending(self, prompts: list[Prompt]) -> list[tuple[Prompt, int, str]]:
@@ -438,9 +451,9 @@ class Bench:
         prompt_ids = {m: chat_prompt_ids(self.tokenizer, histories[m]) for m in todo}
         runs: dict[str, list[Generation]] = {m: [] for m in todo}
         for _ in range(self.repeats):
-            k = self.rounds % max(len(todo), 1)
+            order = arm_order(todo, self.rounds)
             self.rounds += 1
-            for m in todo[k:] + todo[:k]:
+            for m in order:
                 self._at(bar, f"{m} on {prompt.source}/{prompt.question_id} turn {turn}")
                 runs[m].append(self.arms[m].generate(prompt_ids[m], self.max_new_tokens))
                 bar.update()
