@@ -8,6 +8,10 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+# the cost-aware method's memory of earlier runs (calibrate.PolicyMemory) stays off in tests: a test's
+# drafter must not start from what another test (or an earlier test session) learned; the tests of
+# that memory turn it on themselves
+os.environ["DDSPEC_POLICY_MEMORY"] = "0"
 
 FAMILIES = ("llama", "qwen2", "mistral")
 

@@ -462,3 +462,58 @@ def test_the_calibration_times_small_sizes_as_decoding_meets_them(tiny_targets, 
     monkeypatch.setattr(target, "forward", slow_after_large)
     cost = measure_once(target, drafter, sizes=(1, 2, 64), reps=3).cost
     assert cost.verify_ms[1] < 10 and cost.verify_ms[2] < 10  # the 30 ms penalty landed on no timed small size
+
+
+def test_what_a_policy_learned_survives_a_new_process():
+    """snapshot / restore carry the rates, acceptance counts, chain statistics and learned costs
+    (through JSON), the acceptance counts scaled down to ``memory_cap`` per bin."""
+    base = CostModel(verify_ms={1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}, draft_root_ms=1.0, draft_level_ms=2.0)
+    policy = CostAwarePolicy(base, AcceptanceModel(), max_depth=4, max_tokens=8)
+    never_accepted(policy, 120, verify_extra_ms=5.0, plain=(2, 3, 11.0))
+    for _ in range(300):
+        policy.observe(torch.tensor([-0.1, -2.0]), torch.tensor([True, False]))
+    policy.observe_chain(3, 3, 2)
+    fresh = CostAwarePolicy(base, AcceptanceModel(), max_depth=4, max_tokens=8)
+    assert fresh.draft_rate() is None  # a new policy must try drafting before it can judge it
+    fresh.restore(json.loads(json.dumps(policy.snapshot())))
+    assert fresh.draft_rate() == pytest.approx(policy.draft_rate())
+    assert fresh.plain_rate(True) == pytest.approx(policy.plain_rate(True))
+    assert fresh.plain_rate(False) == pytest.approx(policy.plain_rate(False))
+    assert fresh.costs.current.verify_ms == pytest.approx(policy.costs.current.verify_ms)
+    assert float(fresh.acceptance.seen.max()) == pytest.approx(fresh.memory_cap)
+    assert fresh.acceptance.prob(torch.tensor([-0.1, -2.0])).tolist() == pytest.approx(
+        policy.acceptance.prob(torch.tensor([-0.1, -2.0])).tolist(), abs=0.02)
+    assert fresh._chain_stats[3] == policy._chain_stats[3]
+    assert fresh.draft_now() == policy.draft_now()
+
+
+def test_the_ddspec_method_starts_from_the_last_runs_memory(tiny_targets, tmp_path, monkeypatch):
+    """With DDSPEC_POLICY_MEMORY on, a new ddspec drafter (a new `ddspec generate`) takes up what
+    the last one saved for the same set-up, and nothing from another set-up's file."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "1")
+    from ddspec.calibrate import PolicyMemory
+    from ddspec.methods import make_drafter
+
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    first = make_drafter("ddspec", target, head, SMALL)
+    Engine(target, first).generate([5, 17, 33], StopConfig(max_new_tokens=40, stop_on_eos=False))
+    learned = first.cost_policy
+    assert learned.steps_seen > 0 and learned.remember is not None
+    learned.remember(learned.snapshot())  # what the exit handler does
+    files = list((tmp_path / "costs").glob("*.policy.json"))
+    assert len(files) == 1
+    second = make_drafter("ddspec", target, head, SMALL).cost_policy
+    assert second._drafted == learned._drafted and second._plain_steps == learned._plain_steps
+    assert second.steps_seen == 0
+    assert second.costs.plain_seen == learned.costs.plain_seen  # the cost corrections too (same calibration)
+    store = CostStore(drafter_cost_key(target, EagleDrafter(head, target, SMALL)))
+    assert store.write(Measurement(planted_wrong(TRUE), spread=0.0, measured="2030-01-01 00:00:00"))
+    third = make_drafter("ddspec", target, head, SMALL).cost_policy  # a new calibration (as after --refresh)
+    assert third._drafted == learned._drafted  # the rates are remembered ...
+    assert third.costs.plain_seen == 0  # ... the corrections of the old calibration are not
+    other = make_drafter("ddspec", target, random_head(target.hf_config, seed=5).eval().requires_grad_(False), SMALL)
+    assert other.cost_policy._drafted == 0  # another head: another set-up, nothing remembered
+    monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "0")
+    assert make_drafter("ddspec", target, head, SMALL).cost_policy._drafted == 0

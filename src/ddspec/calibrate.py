@@ -307,6 +307,39 @@ class CostStore:
             return False
 
 
+class PolicyMemory:
+    """What the cost-aware method learned in earlier runs with one set-up (the calibration's key):
+    ``<cache root>/costs/<entry>.policy.json`` next to the costs. A one-shot ``ddspec generate``
+    is a new process each time; without it every run explored afresh (its first drafted steps are
+    forced, to learn what drafting yields here). ``DDSPEC_POLICY_MEMORY=0`` turns it off."""
+
+    def __init__(self, store: CostStore) -> None:
+        self.key, self.path = store.key, store.path.with_name(store.path.stem + ".policy.json")
+
+    @staticmethod
+    def enabled() -> bool:
+        import os
+
+        return os.environ.get("DDSPEC_POLICY_MEMORY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+    def read(self) -> dict | None:
+        """The remembered state, or None (missing, another set-up's, unreadable: start afresh)."""
+        try:
+            data = json.loads(self.path.read_text())
+            return data["policy"] if data.get("key") == self.key else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, policy: dict) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, {"key": self.key, "policy": policy,
+                                          "saved": time.strftime("%Y-%m-%d %H:%M:%S")})
+            return True
+        except OSError:
+            return False  # an unwritable cache: the costs' own notice says so
+
+
 def load_or_measure(target, drafter, *, refresh: bool = False, progress: bool = True) -> tuple[Measurement, CostStore]:
     """The cached measurement for this set-up, measuring (and caching) it when missing or stale."""
     store = CostStore(drafter_cost_key(target, drafter))

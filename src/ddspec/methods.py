@@ -158,6 +158,7 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
 
     policy = CostAwarePolicy(calibration.cost, AcceptanceModel(), max_depth=cfg.max_depth,
                              max_tokens=cfg.total_tokens, persist=persist)
+    remember_policy(policy, store, others, calibration.measured)
     from ddspec.draft.lookup import LookupDrafter
     from ddspec.draft.ngram_table import resolve_table
 
@@ -168,6 +169,36 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position,
                            table=resolve_table(cfg.ngram_table, target))
     return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)
+
+
+def remember_policy(policy, store, others, calibrated: str) -> None:
+    """Start ``policy`` from what earlier runs with this set-up learned (calibrate.PolicyMemory),
+    and save what it learns: every ``SAVE_EVERY`` steps and when the process exits, unless other
+    programs took more than a quarter of the CPU since it was made (the rates it learnt then
+    describe that moment, as for the costs). The learned cost corrections are taken up only while
+    the calibration they corrected (its ``measured`` stamp, ``calibrated``) is still the cached one:
+    after ``ddspec calibrate --refresh``, or a cache entry rewritten with learned costs, the new
+    entry counts."""
+    import atexit
+
+    from ddspec.calibrate import PolicyMemory
+
+    if not PolicyMemory.enabled():
+        return
+    memory = PolicyMemory(store)
+    data = memory.read()
+    if data is not None:
+        try:
+            policy.restore(data, costs=data.get("calibrated") == calibrated)
+        except (KeyError, TypeError, ValueError):
+            pass  # an older layout: start afresh (it is rewritten below)
+
+    def save(snapshot: dict) -> None:
+        if others.too_busy() is None:
+            memory.write({**snapshot, "calibrated": calibrated})
+
+    policy.remember = save
+    atexit.register(lambda: policy.steps_seen and save(policy.snapshot()))
 
 
 def default_method(target, head_spec: str | None) -> str:

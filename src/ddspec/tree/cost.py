@@ -290,6 +290,27 @@ class LearnedCosts:
             self.level_ms, self.level_seen = self._draft_mean("level", self.level_ms, self.level_seen, per_level)
         self._current = None
 
+    # -- memory across runs ----------------------------------------------------------------
+    _SNAPSHOT = ("log_ratio", "seen", "root_ms", "level_ms", "root_seen", "level_seen", "plain_ms", "gap_ms",
+                 "plain_seen", "gap_seen")
+
+    def snapshot(self) -> dict:
+        """What was learned, as JSON-able data (:meth:`restore` reads it back)."""
+        data = {k: getattr(self, k) for k in self._SNAPSHOT}
+        data["sizes"] = self.sizes
+        data["chain_ms"] = {str(n): list(v) for n, v in self.chain_ms.items()}
+        return data
+
+    def restore(self, data: dict) -> None:
+        """Take up what an earlier run learned (:meth:`snapshot`); ignored when its sizes differ."""
+        if data.get("sizes") != self.sizes:
+            return
+        for k in self._SNAPSHOT:
+            v = data[k]
+            setattr(self, k, [float(x) for x in v] if isinstance(v, list) else float(v))
+        self.chain_ms = {int(n): (float(m), float(c)) for n, (m, c) in data.get("chain_ms", {}).items()}
+        self._current = None
+
     @property
     def current(self) -> CostModel:
         """The costs as learned so far (calibration corrected by the observed steps)."""
@@ -360,6 +381,8 @@ class CostAwarePolicy:
         # lookup chains verified: per n-gram order, how often the j-th token was offered / accepted
         self._chain_stats: dict[int, tuple[list[float], list[float]]] = {}
         self._chain_cuts = 0
+        self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
+        self.steps_seen = 0  # steps observed in this process
 
     @property
     def cost(self) -> CostModel:
@@ -626,6 +649,9 @@ class CostAwarePolicy:
                 self._chain_ms = self._chain_ms * c + step_ms
                 self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
+        self.steps_seen += 1
+        if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
+            self.remember(self.snapshot())
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
@@ -635,6 +661,46 @@ class CostAwarePolicy:
                 what, calibrated, learned = drifts[0]
                 why = f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
             persist(self.costs.as_calibration(), why)
+
+    # -- memory across runs ----------------------------------------------------------------
+    # the rates, counts and decayed sums a run learns; a one-shot `ddspec generate` is a new process
+    # each time, and without them every run paid for its own exploration (min_drafted head steps)
+    _SNAPSHOT = ("child_logprob", "_draft_tokens", "_draft_ms", "_drafted", "_real_tokens", "_real_ms",
+                 "_told_tokens", "_told_ms", "_plain_tokens", "_plain_ms_sum", "_plain_weight", "_plain_steps",
+                 "_chain_tokens", "_chain_ms", "_chain_steps", "_backoff", "graft_gain", "_graft_seen")
+    SAVE_EVERY = 256  # steps between saves of what was learned (and once at exit)
+    memory_cap = 200.0  # restored acceptance counts are scaled down to at most this many per bin (they stay adaptive)
+
+    def snapshot(self) -> dict:
+        """What this policy learned (rates, acceptance counts, chain statistics, costs), as JSON-able
+        data for :meth:`restore` in a later run on the same set-up."""
+        data = {k: getattr(self, k) for k in self._SNAPSHOT}
+        data["acceptance"] = self.acceptance.state()
+        data["chains"] = {str(order): [list(seen), list(acc)] for order, (seen, acc) in self._chain_stats.items()}
+        data["costs"] = self.costs.snapshot()
+        return data
+
+    def restore(self, data: dict, costs: bool = True) -> None:
+        """Start from what an earlier run learned (:meth:`snapshot`): its rates and counts, scaled so
+        that none weighs more than ``memory_cap`` observations, and (``costs``) its corrections of the
+        calibrated costs; the timers between tries start afresh."""
+        for k in self._SNAPSHOT:
+            setattr(self, k, type(getattr(self, k))(data[k]))
+        acc = data["acceptance"]
+        if acc["edges"] == self.acceptance.edges.tolist():
+            seen = torch.tensor(acc["seen"], dtype=torch.float64)
+            scale = min(1.0, self.memory_cap / max(float(seen.max()), 1.0))
+            self.acceptance.seen = seen * scale
+            self.acceptance.accepted = torch.tensor(acc["accepted"], dtype=torch.float64) * scale
+            self.acceptance._lists = None
+        chains = {}
+        for order, (seen, accepted) in data.get("chains", {}).items():
+            scale = min(1.0, self.memory_cap / max(max(seen, default=0.0), 1.0))
+            chains[int(order)] = ([x * scale for x in seen], [x * scale for x in accepted])
+        self._chain_stats = chains
+        if costs:
+            self.costs.restore(data["costs"])
+        self._since_plain = self._since_draft = 0
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"
