@@ -517,3 +517,31 @@ def test_the_ddspec_method_starts_from_the_last_runs_memory(tiny_targets, tmp_pa
     assert other.cost_policy._drafted == 0  # another head: another set-up, nothing remembered
     monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "0")
     assert make_drafter("ddspec", target, head, SMALL).cost_policy._drafted == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_memory(tiny_targets, tmp_path, monkeypatch):
+    """A seeded sample is the same run after run: the policy drops what it took up from earlier
+    runs (their timings) before a seeded generation decides anything."""
+    from ddspec.config import SamplingConfig
+    from ddspec.methods import make_drafter
+
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "1")
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    seeded = SamplingConfig(temperature=0.8, seed=3)
+    stop = StopConfig(max_new_tokens=40, stop_on_eos=False)
+    learner = make_drafter("ddspec", target, head, SMALL)
+    for _ in range(3):
+        Engine(target, learner).generate([5, 17, 33], stop)  # greedy runs learn (and would pass it on)
+    state = learner.cost_policy.snapshot()
+    state["_drafted"], state["_draft_tokens"], state["_draft_ms"] = 50.0, 1.0, 1000.0  # drafting looks hopeless
+    learner.cost_policy.remember(state)
+    monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "0")  # the same calibration entry, no memory
+    fresh = Engine(target, make_drafter("ddspec", target, head, SMALL), seeded).generate([5, 17, 33], stop).token_ids
+    monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "1")
+    remembering = make_drafter("ddspec", target, head, SMALL)
+    assert remembering.cost_policy._drafted == 50.0  # the memory was taken up ...
+    again = Engine(target, remembering, seeded).generate([5, 17, 33], stop).token_ids
+    assert remembering.cost_policy._drafted != 50.0 or remembering.cost_policy.steps_seen == 0
+    assert again == fresh  # ... and dropped for the seeded run

@@ -383,6 +383,7 @@ class CostAwarePolicy:
         self._chain_cuts = 0
         self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
         self.steps_seen = 0  # steps observed in this process
+        self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
 
     @property
     def cost(self) -> CostModel:
@@ -683,7 +684,19 @@ class CostAwarePolicy:
     def restore(self, data: dict, costs: bool = True) -> None:
         """Start from what an earlier run learned (:meth:`snapshot`): its rates and counts, scaled so
         that none weighs more than ``memory_cap`` observations, and (``costs``) its corrections of the
-        calibrated costs; the timers between tries start afresh."""
+        calibrated costs; the timers between tries start afresh. :meth:`forget_memory` undoes it."""
+        if self._before_memory is None:
+            self._before_memory = self.snapshot()
+        self._take(data, costs)
+
+    def forget_memory(self) -> None:
+        """Back to the state before :meth:`restore` (no-op without one, or once this process's own steps
+        were learned from)."""
+        if self._before_memory is not None and not self.steps_seen:
+            self._take(self._before_memory, True)
+        self._before_memory = None
+
+    def _take(self, data: dict, costs: bool) -> None:
         for k in self._SNAPSHOT:
             setattr(self, k, type(getattr(self, k))(data[k]))
         acc = data["acceptance"]
