@@ -513,6 +513,12 @@ def test_the_ddspec_method_starts_from_the_last_runs_memory(tiny_targets, tmp_pa
     third = make_drafter("ddspec", target, head, SMALL).cost_policy  # a new calibration (as after --refresh)
     assert third._drafted == learned._drafted  # the rates are remembered ...
     assert third.costs.plain_seen == 0  # ... the corrections of the old calibration are not
+    memory = PolicyMemory(store)
+    assert "plain steps" in memory.describe() and "drafted" in memory.describe()
+    memory.forget()  # what `ddspec calibrate --refresh` does
+    assert "none yet" in memory.describe()
+    assert make_drafter("ddspec", target, head, SMALL).cost_policy._drafted == 0
+    learned.remember(learned.snapshot())
     other = make_drafter("ddspec", target, random_head(target.hf_config, seed=5).eval().requires_grad_(False), SMALL)
     assert other.cost_policy._drafted == 0  # another head: another set-up, nothing remembered
     monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "0")

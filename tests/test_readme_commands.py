@@ -92,6 +92,7 @@ def test_calibrate_then_show(uncalibrated_cache):
     assert "verify ms by N" in measured.stdout
     shown = ok(ddspec(uncalibrated_cache, "calibrate", "--show"))
     assert "old" in shown.stdout and "spread across rounds" in shown.stdout
+    assert "policy memory" in shown.stdout and "none yet" in shown.stdout
 
 
 def test_tune_short(uncalibrated_cache, tmp_path):

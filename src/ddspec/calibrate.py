@@ -330,6 +330,24 @@ class PolicyMemory:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def describe(self) -> str:
+        """What ``ddspec calibrate --show`` prints about it."""
+        try:
+            data = json.loads(self.path.read_text())
+            p = data["policy"] if data.get("key") == self.key else None
+        except (OSError, ValueError, KeyError, TypeError):
+            p = None
+        if p is None:
+            return f"policy memory {self.path}: none yet (the next ddspec run starts it)"
+        plain = p["_plain_tokens"] / p["_plain_ms_sum"] if p.get("_plain_ms_sum") else 0.0
+        drafted = p["_draft_tokens"] / p["_draft_ms"] if p.get("_draft_ms") else 0.0
+        return (f"policy memory {self.path}\n  saved {data.get('saved', '?')} ({_age(str(data.get('saved')))}); "
+                f"plain steps {plain:.3f} tokens/ms, drafted steps forecast {drafted:.3f} tokens/ms "
+                f"over {p.get('_drafted', 0):.0f} drafted and {p.get('_plain_steps', 0)} plain steps seen")
+
+    def forget(self) -> None:
+        self.path.unlink(missing_ok=True)
+
     def write(self, policy: dict) -> bool:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

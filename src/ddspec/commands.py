@@ -125,7 +125,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ddspec.calibrate import CostStore, describe, drafter_cost_key, load_or_measure
+    from ddspec.calibrate import CostStore, PolicyMemory, describe, drafter_cost_key, load_or_measure
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.methods import resolve_head, tree_config
 
@@ -146,8 +146,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   f"(would be {store.path}): run `ddspec calibrate`", file=sys.stderr)
             return 1
         print(describe(m, store.path))
+        print(PolicyMemory(store).describe())
         return 0
     m, store = load_or_measure(target, drafter, refresh=args.refresh)
+    if args.refresh:  # what the method learned was learned against the old measurement: start over
+        PolicyMemory(store).forget()
     print(f"cost model for {target.info.name} (top_k {tree.top_k}):")
     print(describe(m, store.path))
     return 0
