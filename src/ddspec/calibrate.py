@@ -322,23 +322,25 @@ class PolicyMemory:
 
         return os.environ.get("DDSPEC_POLICY_MEMORY", "1").strip().lower() not in ("0", "false", "no", "off")
 
-    def read(self) -> dict | None:
-        """The remembered state, or None (missing, another set-up's, unreadable: start afresh)."""
+    def _entry(self) -> dict | None:
+        """The file's content when it is this set-up's, else None (missing, another's, unreadable)."""
         try:
             data = json.loads(self.path.read_text())
-            return data["policy"] if data.get("key") == self.key else None
-        except (OSError, ValueError, KeyError, TypeError):
+            return data if data.get("key") == self.key and isinstance(data.get("policy"), dict) else None
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
+
+    def read(self) -> dict | None:
+        """The remembered state, or None (start afresh)."""
+        entry = self._entry()
+        return None if entry is None else entry["policy"]
 
     def describe(self) -> str:
         """What ``ddspec calibrate --show`` prints about it."""
-        try:
-            data = json.loads(self.path.read_text())
-            p = data["policy"] if data.get("key") == self.key else None
-        except (OSError, ValueError, KeyError, TypeError):
-            p = None
-        if p is None:
+        data = self._entry()
+        if data is None:
             return f"policy memory {self.path}: none yet (the next ddspec run starts it)"
+        p = data["policy"]
         plain = p["_plain_tokens"] / p["_plain_ms_sum"] if p.get("_plain_ms_sum") else 0.0
         drafted = p["_draft_tokens"] / p["_draft_ms"] if p.get("_draft_ms") else 0.0
         return (f"policy memory {self.path}\n  saved {data.get('saved', '?')} ({_age(str(data.get('saved')))}); "
