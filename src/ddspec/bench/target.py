@@ -151,7 +151,7 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     a forward runs slower for a while after a large one, and interleaved with them the int8
     model's T(1) here read 5.0 ms against 3.5-3.7 ms in decoding (Intel Xeon family 6 model 167),
     which made T(8) / T(1) look 1.41 instead of about 1.9."""
-    from ddspec.calibrate import SETTLE, SMALL_ROWS
+    from ddspec.calibrate import SETTLE, size_groups
     from ddspec.machine import interleaved_medians
 
     gen = torch.Generator().manual_seed(0)
@@ -174,11 +174,11 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     if 1 not in inputs:
         inputs[1] = (torch.randint(0, vocab, (1,), generator=gen), torch.ones(1, 1, dtype=torch.bool))
     medians = {}
-    for group in ([n for n in sizes if n > SMALL_ROWS], [n for n in sizes if n <= SMALL_ROWS]):
+    for group in size_groups(sizes):
         if group:
             medians.update(interleaved_medians(group, run, reps, setup=settle))
     target.truncate(prefix)
-    return {n: m * 1e3 for n, m in medians.items()}
+    return {n: medians[n] * 1e3 for n in sizes}
 
 
 LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)
