@@ -521,6 +521,11 @@ def test_the_ddspec_method_starts_from_the_last_runs_memory(tiny_targets, tmp_pa
     learned.remember(learned.snapshot())
     other = make_drafter("ddspec", target, random_head(target.hf_config, seed=5).eval().requires_grad_(False), SMALL)
     assert other.cost_policy._drafted == 0  # another head: another set-up, nothing remembered
+    broken = learned.snapshot()
+    del broken["acceptance"]["seen"]  # a layout it cannot read, after some fields were taken up
+    learned.remember(broken)
+    half = make_drafter("ddspec", target, head, SMALL).cost_policy
+    assert half._drafted == 0 and half._plain_steps == 0  # not half taken up: afresh
     monkeypatch.setenv("DDSPEC_POLICY_MEMORY", "0")
     assert make_drafter("ddspec", target, head, SMALL).cost_policy._drafted == 0
 

@@ -191,7 +191,7 @@ def remember_policy(policy, store, others, calibrated: str) -> None:
         try:
             policy.restore(data, costs=data.get("calibrated") == calibrated)
         except (KeyError, TypeError, ValueError):
-            pass  # an older layout: start afresh (it is rewritten below)
+            policy.forget_memory()  # an older layout, maybe half taken up: start afresh (it is rewritten below)
 
     def save(snapshot: dict) -> None:
         if others.too_busy() is None:
