@@ -156,6 +156,7 @@ def test_ddspec_learns_table_chains_apart_from_context_ones(tiny_targets, monkey
 
 def test_ngrams_command_answers_resumes_and_builds(tmp_path, tiny_dirs):
     from ddspec.cli import main
+    from ddspec.models.loading import load_target
 
     prompts = tmp_path / "p.jsonl"
     with open(prompts, "w") as f:
@@ -165,7 +166,7 @@ def test_ngrams_command_answers_resumes_and_builds(tmp_path, tiny_dirs):
     excl.write_text(json.dumps({"id": "s0:0"}) + "\n")
     out = tmp_path / "run"
     args = ["ngrams", "--out", str(out), "--prompts", str(prompts), "--exclude", str(excl), "--per-source", "2",
-            "--max-new-tokens", "12", "--batch-size", "2", "--model", str(tiny_dirs["llama"])]
+            "--max-new-tokens", "12", "--model", str(tiny_dirs["llama"])]
     assert main(args) == 0
     answers = [json.loads(line) for line in open(out / "answers.jsonl")]
     assert len(answers) == 4 and "s0:0" not in {a["id"] for a in answers}
@@ -176,4 +177,16 @@ def test_ngrams_command_answers_resumes_and_builds(tmp_path, tiny_dirs):
     assert len(open(out / "answers.jsonl").readlines()) == 4
     assert main(args + ["--max-prompts", "3"]) == 0  # a table of the sample's first 3 answers
     assert NgramTable.load(out / "ngrams.safetensors").meta["answers"] == 3
+    with open(out / "answers.jsonl") as f:  # the answers are plain greedy decoding's
+        first = json.loads(f.readline())
+    target = load_target(str(tiny_dirs["llama"]))
+    assert first["output_ids"] == Engine(target).generate(first["prompt_ids"], StopConfig(max_new_tokens=12)).token_ids
+    # a run killed while writing leaves a cut line: it is dropped, and a rerun answers that prompt again
+    text = (out / "answers.jsonl").read_text()
+    (out / "answers.jsonl").write_text(text[:-20])
+    assert main(args + ["--build-only"]) == 0
+    assert len(open(out / "answers.jsonl").readlines()) == 3
+    assert NgramTable.load(out / "ngrams.safetensors").meta["answers"] == 3
+    assert main(args) == 0
+    assert len(open(out / "answers.jsonl").readlines()) == 4
     assert main(args + ["--cap", "bad"]) == 2
