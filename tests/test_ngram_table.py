@@ -56,6 +56,15 @@ def test_save_and_load_round_trip(tmp_path):
     big.save(path)
     assert NgramTable.load(path).entries == {(70000, 1): ([2, 70001], [pytest.approx(0.9, abs=1 / 255),
                                                                        pytest.approx(0.8, abs=1 / 255)])}
+    # ids past 65534 may share a lookup key (16 bits per token): each ending still finds its own entry
+    from ddspec.draft.ngram_table import ending_key
+
+    assert ending_key((1, 0)) == ending_key((0, 65536))
+    twins = NgramTable({(1, 0): ([5], [0.9]), (0, 65536): ([6], [0.9]), (7, 1, 0): ([8], [0.9])}, META)
+    twins.save(path)
+    back = NgramTable.load(path)
+    assert back.continuation([9, 1, 0]) == (2, [5]) and back.continuation([9, 0, 65536]) == (2, [6])
+    assert back.continuation([7, 1, 0]) == (3, [8]) and (65536, 0) not in back.entries and len(back.entries) == 3
 
 
 def test_bad_files_and_vocabularies_are_refused_with_a_message(tmp_path, tiny_targets):
