@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
-    done = {r["id"] for r in _read_answers(answers)}
+    answered = _read_answers(answers)  # and, below, each answer as it is written: the file is read once
+    done = {r["id"] for r in answered}
     todo = [] if args.build_only else [r for r in picked if r["id"] not in done]
     setup_torch(args)
     target = target_from_args(args)
@@ -152,14 +153,14 @@ def run(args: argparse.Namespace) -> int:
                 if len(x) <= args.max_prompt_tokens:
                     out_ids = engine.generate(x, stop).token_ids
                     tokens += len(out_ids)
-                    lines.append(json.dumps({"id": r["id"], "source": r.get("source"), "prompt_ids": x,
-                                             "output_ids": out_ids}) + "\n")
+                    answered.append({"id": r["id"], "source": r.get("source"), "prompt_ids": x, "output_ids": out_ids})
+                    lines.append(json.dumps(answered[-1]) + "\n")
                 bar.update(1)
             with open(answers, "a") as f:  # whole chunks: a rerun resumes after the last one
                 f.write("".join(lines))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tokens/s")
     wanted = {r["id"] for r in picked}  # answers of prompts past --max-prompts (an earlier, longer run) stay out
-    sequences = [r["output_ids"] for r in _read_answers(answers) if r["id"] in wanted]
+    sequences = [r["output_ids"] for r in answered if r["id"] in wanted]
     if not sequences:
         raise DdspecError(f"no answers in {answers}: nothing to build a table from")
     meta = {"target": target.info.name, "vocab_size": target.info.vocab_size, "answers": len(sequences),
