@@ -15,7 +15,7 @@ PROMPTS = [[5, 17, 33, 8, 90, 5, 17, 33, 8, 91, 5, 17], [7] * 9, [12, 40, 41, 42
 
 
 def test_continuation_follows_the_latest_earlier_occurrence():
-    d = LookupDrafter(depth=3)
+    d = LookupDrafter(depth=3, copy_depth=3)
     d.reset(64)
     d.prefill(torch.tensor([5, 1, 2, 3, 4, 9, 8, 2, 3, 6, 1, 2]), None, torch.tensor(3))
     assert d.continuation() == [4, 9, 8]  # "1 2 3" (the longest match) was followed by 4 9 8
@@ -25,6 +25,21 @@ def test_continuation_follows_the_latest_earlier_occurrence():
     assert d.continuation() == [2, 3, 4]
     d.resume(64, 3)  # prefix reuse keeps positions [0, 3)
     assert d.tokens == [5, 1, 2] and d.continuation() == []
+
+
+def test_a_three_token_match_drafts_copy_depth_tokens(tiny_targets):
+    d = LookupDrafter()  # the defaults: 3 drafts, 6 after a match of the context's last 3 tokens
+    assert (d.depth, d.copy_depth, d.max_tree_size) == (3, 6, 7)
+    d.reset(64)
+    d.prefill(torch.tensor([5, 1, 2, 3, 4, 9, 8, 7, 6, 0, 2, 3]), None, torch.tensor(4))
+    assert d.continuation() == [9, 8, 7, 6, 0, 2] and d.order == 3  # "2 3 4" occurred: a copy, 6 tokens
+    d.tokens[-3:] = [11, 3, 4]  # now only "3 4" matches
+    assert d.continuation() == [9, 8, 7] and d.order == 2
+    assert LookupDrafter(depth=2).copy_depth == 2  # a depth of its own holds for every chain
+    target = tiny_targets[("llama", "native")]
+    sized = make_drafter("lookup@d3", target, None)  # lookup@d<depth>: that length after any match
+    assert (sized.depth, sized.copy_depth) == (3, 3)
+    assert make_drafter("lookup", target, None).max_tree_size == 7
 
 
 @pytest.mark.parametrize("depth", [1, 3, 6])

@@ -8,7 +8,7 @@
 | eagle2  | dynamic top-k tree, reranked (EAGLE-2) | fixed (``depth``)              |
 | ddd     | dynamic top-k tree, reranked           | Dynamic Depth Decoding checks  |
 | ddspec  | dynamic top-k tree, size by cost       | cost-aware (tree/cost.py)      |
-| lookup  | chain copied from an earlier occurrence of the context's last tokens (no head) | up to ``depth`` (default 3) |
+| lookup  | chain copied from an earlier occurrence of the context's last tokens (no head) | up to ``depth`` (default 3; 6 after a 3-token match) |
 
 A tree method may carry its own sizes, written ``METHOD@d<depth>k<top_k>n<total_tokens>``
 (any subset, in that order): ``eagle2@d3k4n8`` is a fixed-depth EAGLE-2 tree of depth 3,
@@ -118,7 +118,8 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
         from ddspec.draft.lookup import DEPTH, LookupDrafter
         from ddspec.draft.ngram_table import resolve_table
 
-        return LookupDrafter(sizes.get("depth", DEPTH), max_position=target.info.max_position,
+        depth = sizes.get("depth")  # lookup@d<depth>: that length for every chain
+        return LookupDrafter(depth or DEPTH, max_position=target.info.max_position, copy_depth=depth,
                              table=resolve_table(cfg.ngram_table, target))
     if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)

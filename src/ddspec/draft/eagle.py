@@ -140,7 +140,7 @@ class EagleDrafter:
             size = self.cfg.depth + 1
         else:
             size = self.cfg.total_tokens
-        return size if self.lookup is None else size + self.lookup.depth  # a drafted tree may carry its chain
+        return size if self.lookup is None else size + self.lookup.max_drafts  # a drafted tree may carry its chain
 
     def _max_draft_slots(self) -> int:
         if self.static is not None:
