@@ -111,6 +111,19 @@ def test_paths_positions_and_constructors():
     chain = DraftTree.chain(3, torch.tensor([5, 1]), torch.tensor([-0.5, -0.25]))
     assert chain.tokens.tolist() == [3, 5, 1] and chain.parents.tolist() == [-1, 0, 1]
     assert chain.depths.tolist() == [0, 1, 2] and chain.scores.tolist() == [0.0, -0.5, -0.75]
+    host = DraftTree.host_chain([3, 5, 1])  # lookup's chains: host ids, no scores
+    same = DraftTree.chain(3, torch.tensor([5, 1]), torch.zeros(2))
+    for name in ("tokens", "parents", "depths", "scores"):
+        a, b = getattr(host, name), getattr(same, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    DraftTree(host.tokens, host.parents, host.depths, host.scores)  # the full checks pass on what they build
+    # these constructors skip the shape checks their shapes make true, not the token check
+    with pytest.raises(AssertionError, match="tokens"):
+        DraftTree.chain(3, torch.tensor([5, -1]), torch.zeros(2))
+    with pytest.raises(AssertionError, match="tokens"):
+        DraftTree.root_only(-2)
+    with pytest.raises(ValueError, match="one shape"):
+        DraftTree.chain(3, torch.tensor([5, 1]), torch.zeros(3))
 
 
 def _hand_expansion():

@@ -57,8 +57,11 @@ class StaticKVCache:
         n_keep = int(keep.numel())
         if n_keep > self.pending:
             raise ValueError(f"cannot keep {n_keep} of {self.pending} new entries")
-        contiguous = torch.arange(n_keep, device=keep.device)
-        if not torch.equal(keep.to(contiguous.device), contiguous):
+        if keep.device.type == "cpu":  # a few indices: a host list beats two tensor ops per step
+            in_place = keep.tolist() == list(range(n_keep))
+        else:
+            in_place = torch.equal(keep, torch.arange(n_keep, device=keep.device))
+        if not in_place:  # the kept entries move down to follow the committed ones
             src = keep.to(self.keys.device) + base  # [a]
             dst = slice(base, base + n_keep)
             self.keys[:, :, :, dst] = self.keys.index_select(3, src)

@@ -117,8 +117,7 @@ class LookupDrafter:
         if not drafts:
             return DraftTree.root_only(root)
         device = root.device if isinstance(root, torch.Tensor) else None  # the tree lives where the root does
-        return DraftTree.chain(root, torch.tensor(drafts, dtype=torch.int64, device=device),
-                               torch.zeros(len(drafts), device=device))
+        return DraftTree.host_chain([int(root)] + list(drafts), device)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
         self.tokens += tree.tokens[verdict.path[1:]].tolist() + [int(verdict.bonus)]

@@ -69,20 +69,45 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @classmethod
+    def _built(cls, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+        """A tree whose shape holds the invariants by construction (a root alone, a chain): only the
+        tokens are checked (>= 0, one host sync on a GPU). Plain decoding builds one every step, and
+        the full check was about a third of its Python time outside the forward."""
+        if tokens.device.type == "cpu":
+            assert min(tokens.tolist()) >= 0, "tokens must be >= 0"
+        else:
+            assert bool((tokens >= 0).all()), "tokens must be >= 0"
+        tree = object.__new__(cls)
+        for name, value in (("tokens", tokens), ("parents", parents), ("depths", depths), ("scores", scores)):
+            object.__setattr__(tree, name, value)
+        return tree
+
+    @classmethod
     def root_only(cls, token: int | torch.Tensor) -> DraftTree:
         """The tree of plain decoding: the root alone."""
         tokens = torch.as_tensor(token, dtype=torch.int64).reshape(1)  # [1]
         zeros = torch.zeros(1, dtype=torch.int64, device=tokens.device)  # [1]
-        return cls(tokens, zeros - 1, zeros, torch.zeros(1, device=tokens.device))
+        return cls._built(tokens, zeros - 1, zeros, torch.zeros(1, device=tokens.device))
+
+    @classmethod
+    def host_chain(cls, tokens: list[int], device: torch.device | None = None) -> DraftTree:
+        """The chain of host token ids ``tokens`` (the root first), scored 0 (drafts without
+        log-probs, e.g. copied from the context): :meth:`chain` in three tensor ops."""
+        steps = torch.arange(len(tokens), dtype=torch.int64, device=device)
+        return cls._built(torch.tensor(tokens, dtype=torch.int64, device=device), steps - 1, steps,
+                          torch.zeros(len(tokens), device=device))
 
     @classmethod
     def chain(cls, root_token: int | torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> DraftTree:
         """A chain: root -> tokens[0] -> tokens[1] -> ...  tokens, logprobs: [d]."""
+        if tokens.dim() != 1 or logprobs.shape != tokens.shape:
+            raise ValueError(f"a chain needs tokens and logprobs of one shape [d], got {list(tokens.shape)} and "
+                             f"{list(logprobs.shape)}")
         d = tokens.shape[0]
         root = torch.as_tensor(root_token, dtype=torch.int64, device=tokens.device).reshape(1)  # [1]
         steps = torch.arange(d + 1, dtype=torch.int64, device=tokens.device)  # [d+1]
         scores = torch.cat([logprobs.new_zeros(1).float(), logprobs.float().cumsum(0)])  # [d+1]
-        return cls(torch.cat([root, tokens.long()]), steps - 1, steps, scores)
+        return cls._built(torch.cat([root, tokens.long()]), steps - 1, steps, scores)
 
     def with_chain(self, chain: list[int], max_depth: int | None = None) -> tuple[DraftTree, int]:
         """This tree with ``chain`` (tokens following the root) merged in as a path: the chain

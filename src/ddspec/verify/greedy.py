@@ -43,6 +43,8 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     all its non-root ancestors match. The deepest accepted node ends the path. One host sync.
     """
     target = argmax(logits)  # [N] the target's own next token after each node
+    if tree.size == 1:  # plain decoding's step: the root alone, its argmax the bonus
+        return Verdict(path=torch.zeros(1, dtype=torch.int64, device=target.device), bonus=target[0])
     if target.device.type == "cpu":  # small trees on a CPU: one walk over host lists beats a dozen tensor ops
         return _walk(tree, target)
     return _vectorised(tree, target)
