@@ -42,7 +42,7 @@ class LookupDrafter:
         (training prompts, the shipped table), 6 tokens after such a match instead of 3 raised τ
         1.99 -> 2.13 and tokens per unit of verification cost by 2.4%, under this Intel Xeon's
         measured forward costs (T(7) = 1.61 T(1)) and under steeper ones (T(7) = 1.85 T(1): +0.3%);
-        never less than 3 tokens in those replays."""
+        in the engine, on 48 held-out prompts, lookup gained 1.0-1.3% (int8 and fp32, two runs each)."""
         copy_depth = (COPY_DEPTH if depth == DEPTH else depth) if copy_depth is None else copy_depth
         if depth < 1 or copy_depth < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"lookup needs depth, copy_depth >= 1 and 1 <= min_ngram <= max_ngram, got {depth}, "

@@ -71,8 +71,8 @@ class DraftTree:
     @classmethod
     def _built(cls, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor) -> DraftTree:
         """A tree whose shape holds the invariants by construction (a root alone, a chain): only the
-        tokens are checked (>= 0, one host sync on a GPU). Plain decoding builds one every step, and
-        the full check was about a third of its Python time outside the forward."""
+        tokens are checked (>= 0, one host sync on a GPU, as the full check). Plain decoding and
+        lookup build one every step, and the full check's host conversions are per-step Python."""
         if tokens.device.type == "cpu":
             assert min(tokens.tolist()) >= 0, "tokens must be >= 0"
         else:
