@@ -92,7 +92,7 @@ class DraftTree:
     @classmethod
     def host_chain(cls, tokens: list[int], device: torch.device | None = None) -> DraftTree:
         """The chain of host token ids ``tokens`` (the root first), scored 0 (drafts without
-        log-probs, e.g. copied from the context): :meth:`chain` in three tensor ops."""
+        log-probs, e.g. copied from the context): :meth:`chain` from host lists, in four small tensor ops."""
         steps = torch.arange(len(tokens), dtype=torch.int64, device=device)
         return cls._built(torch.tensor(tokens, dtype=torch.int64, device=device), steps - 1, steps,
                           torch.zeros(len(tokens), device=device))
