@@ -1,6 +1,7 @@
 """A preallocated KV cache written at slots, with keep-path and truncate (DESIGN.md §2.6).
 
-Layout per layer: keys and values ``[B, H_kv, T_max, D]``. A forward over N new tokens writes
+Layout per layer: keys and values ``[B, H_kv, T_max, D]``, fp32, or fp16 (the 8-bit-activation
+model's: see ``models.llama.kv_cache_dtype``). A forward over N new tokens writes
 slots ``[length, length + N)`` and reads ``[0, length + N)``. After verification,
 :meth:`StaticKVCache.keep` copies the accepted entries into contiguous slots right after the
 committed prefix; everything beyond the new length is garbage the next write overwrites.
@@ -40,11 +41,15 @@ class StaticKVCache:
             )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, N, D] at slots [length, length+N); return the keys/values to attend to."""
+        """Store k, v [B, Hkv, N, D] at slots [length, length+N); return the keys/values to attend to
+        (in k's dtype: a cache of fp16 rounds what it stores, and hands fp32 callers its values as fp32)."""
         start, end = self.length, self.length + k.shape[2]
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        if keys.dtype != k.dtype:
+            return keys.to(k.dtype), values.to(v.dtype)
+        return keys, values
 
     def advance(self, n: int) -> None:
         """Mark n new slots as written by a forward (all layers done)."""

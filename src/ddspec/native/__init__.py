@@ -36,6 +36,8 @@ import torch
 from ddspec.machine import cpu_flags
 
 SOURCE = Path(__file__).with_name("ddspec_kernels.c")
+# what the build reads: the source and the attention passes it includes twice (fp32 and fp16 caches)
+SOURCES = (SOURCE, SOURCE.with_name("ddspec_attention.inc"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          # hot loops on 64-byte boundaries: the same source measured 6-12% apart at 4-8 rows
          # depending on where its loops happened to land (AMD EPYC, interleaved A/B)
@@ -48,6 +50,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-
 PARTS = (1 << 1 | 1 << 6, 1 << 2 | 1 << 3, 1 << 4 | 1 << 5)
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6}
 HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = (torch.float32, torch.float16)  # the caches dd_layers_forward reads and writes
 
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
@@ -266,7 +269,8 @@ def build_id() -> str:
     """Names this source built with this compiler and flags (kernel choices are cached per build)."""
     compiler = _compiler() or "cc"
     recipe = " ".join([compiler, *build_flags(), "parts", *map(str, PARTS)])
-    return hashlib.sha256(SOURCE.read_bytes() + recipe.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    return hashlib.sha256(sources + recipe.encode()).hexdigest()[:16]
 
 
 def library() -> ctypes.CDLL | None:
@@ -299,7 +303,7 @@ def library() -> ctypes.CDLL | None:
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_float]
+                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64
@@ -606,11 +610,14 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
                    capture: dict[int, torch.Tensor] | None = None,
                    final_norm: tuple[torch.Tensor, float] | None = None) -> None:
     """Every layer of ``array`` in order, in place on x [n, H], in one C call. keys/values: the
-    caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache).
+    caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache), both fp32
+    or both fp16 (each new key and value is then rounded to fp16 as it is written).
     extra: [n, E] fp32 contiguous, for layers built with ``extra=E``. capture: {i: out} with out
     [n, H] fp32 contiguous, filled with x as it enters layer i. final_norm: (weight [H] fp32
     contiguous, epsilon) of an RMSNorm applied to x after the last layer, in the same call."""
     n, count = x.shape[0], len(array)
+    if keys.dtype != values.dtype or keys.dtype not in KV_DTYPES:
+        raise ValueError(f"dd_layers_forward takes fp32 or fp16 keys and values, got {keys.dtype} and {values.dtype}")
     slots = None
     if capture:
         slots = (ctypes.c_void_p * count)(*[capture[i].data_ptr() if i in capture else None for i in range(count)])
@@ -618,7 +625,8 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
         array, count, x.data_ptr(), n, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
         None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr(),
-        slots, None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1])
+        slots, None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1],
+        int(keys.dtype == torch.float16))
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")

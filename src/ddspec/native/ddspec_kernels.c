@@ -1128,34 +1128,6 @@ static void rope(float *x, const float *cos_p, const float *sin_p, int64_t dim) 
     for (int64_t i = half; i < dim; i++) x[i] = tmp[i] * cos_p[i] + tmp[i - half] * sin_p[i];
 }
 
-/* Eight dot products of length D (a multiple of 8): q . k[0..7], k[j] = keys + j * D, as one
- * vector. Each dot sums its D/8 products per lane in order of d, then the lanes pairwise. */
-static inline __m256 dots8(const float *q, const float *keys, int64_t D) {
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + j * D + c), a[j]);
-    }
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-}
-
-/* One key's q . k, summed exactly as dots8 sums each of its 8 keys (lanes, then
- * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))): a key's score does not depend on whether it falls
- * in a block of 8 or in the tail, i.e. on how many keys the row has. */
-static inline float dot_one(const float *a, const float *b, int64_t n) {
-    __m256 s = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-    float l[8];
-    _mm256_storeu_ps(l, s);
-    float r = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
-}
-
 /* srow[0..T) <- e^(srow - max) (masked entries, mrow[t] == 0, give 0); returns 1 / their sum.
  * With a mask the visible entries are first moved together, in order, and moved back after:
  * the sum then runs over the same vector lanes as for a row that sees only those keys, so a
@@ -1199,331 +1171,48 @@ static float softmax_dense(float *srow, int64_t T) {
     return 1.0f / sum;
 }
 
-/* One query row's scores: srow[t] = q . k_t * scale for t in [t0, t1), -inf where mrow[t] == 0. */
-static void scores_row(const float *q, const float *keys, int64_t D, int64_t t0, int64_t t1, const uint8_t *mrow,
-                       float scale, float *srow) {
-    const __m256 scale8 = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
-    int64_t t = t0;
-    if (D % 8 == 0)
-        for (; t + 8 <= t1; t += 8) {
-            __m256 sv = _mm256_mul_ps(dots8(q, keys + t * D, D), scale8);
-            if (mrow) {
-                const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mrow + t)));
-                sv = _mm256_blendv_ps(ninf, sv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(m8, _mm256_setzero_si256())));
-            }
-            _mm256_storeu_ps(srow + t, sv);
-        }
-    for (; t < t1; t++) srow[t] = (mrow && !mrow[t]) ? -INFINITY : dot_one(q, keys + t * D, D) * scale;
-}
-
+#define KEY_CHUNK 64 /* keys per unit of work in the scores pass */
+#define QTILE 6      /* queries per pass over the values: 6 x 2 accumulators */
 #if defined(__AVX512F__)
 #define ZKEY_CHUNK 32 /* keys per unit of work in the 16-lane scores pass */
 #define ZSCORES_FROM 12 /* queries per kv head from which the scores run on 16 lanes (fewer: 0.99-1.01x) */
-/* kt [D][ZKEY_CHUNK] <- keys [nk][D] transposed (nk, D multiples of 8), 8 x 8 tiles in registers. */
-static void transpose_keys(const float *keys, int64_t D, int64_t nk, float *kt) {
-    for (int64_t k0 = 0; k0 < nk; k0 += 8)
-        for (int64_t d0 = 0; d0 < D; d0 += 8) {
-            __m256 r[8], t[8];
-            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(keys + (k0 + j) * D + d0);
-            for (int j = 0; j < 8; j += 2) {
-                t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
-                t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-            }
-            for (int j = 0; j < 8; j += 4) {
-                r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
-                r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
-                r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-                r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
-            }
-            for (int j = 0; j < 4; j++) {
-                _mm256_store_ps(kt + (d0 + j) * ZKEY_CHUNK + k0, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-                _mm256_store_ps(kt + (d0 + j + 4) * ZKEY_CHUNK + k0, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-            }
-        }
-}
-
 #define ZROWS 6 /* query rows per pass: 6 rows x 2 vectors of 16 keys = 12 independent chains */
-/* Scores of one kv head's query rows q[0 .. nq) over its keys [t0, t1) (t1 - t0 <= ZKEY_CHUNK,
- * D a multiple of 8, at most 128) on 16 lanes, a key per lane: the keys transposed once into
- * kt [D][ZKEY_CHUNK] for all the rows. dots8 / dot_one compute a key's dot as eight sums (inputs
- * d = c + l, l = 0 .. 7, each in order of c) added ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); here
- * each l's sums run for 6 rows x 32 keys at once (a broadcast per row, a load per 16 keys), are
- * kept in part[l] and added in that order: the same bits. Keys past the last 16 go to scores_row.
- * At 8 / 16 tokens after 256 (AMD EPYC family 26, int8 target, interleaved medians of 41) the
- * forward took 0.96x as long as with dots8 one query at a time. */
-static void scores_rows16(const float *const *q, int64_t nq, const float *keys, int64_t D, int64_t t0, int64_t t1,
-                          const uint8_t *const *mrow, float scale, float *const *srow) {
-    float kt[128 * ZKEY_CHUNK] __attribute__((aligned(64)));
-    __m512 part[8][ZROWS][2];
-    const int64_t nk = (t1 - t0) / 16 * 16, nv = nk / 16;
-    transpose_keys(keys + t0 * D, D, nk, kt);
-    const __m512 scale16 = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    for (int64_t r0 = 0; r0 < nq; r0 += ZROWS) {
-        const int64_t R = nq - r0 < ZROWS ? nq - r0 : ZROWS;
-        if (nv == 2 && R == ZROWS) {
-            for (int l = 0; l < 8; l++) {
-                __m512 a[ZROWS][2];
-                for (int r = 0; r < ZROWS; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < D; c += 8) {
-                    const __m512 k0 = _mm512_load_ps(kt + (c + l) * ZKEY_CHUNK), k1 = _mm512_load_ps(kt + (c + l) * ZKEY_CHUNK + 16);
-                    for (int r = 0; r < ZROWS; r++) {
-                        const __m512 qb = _mm512_set1_ps(q[r0 + r][c + l]);
-                        a[r][0] = _mm512_fmadd_ps(qb, k0, a[r][0]);
-                        a[r][1] = _mm512_fmadd_ps(qb, k1, a[r][1]);
-                    }
-                }
-                for (int r = 0; r < ZROWS; r++) part[l][r][0] = a[r][0], part[l][r][1] = a[r][1];
-            }
-        } else {
-            for (int l = 0; l < 8; l++)
-                for (int r = 0; r < R; r++)
-                    for (int64_t v = 0; v < nv; v++) {
-                        __m512 a = _mm512_setzero_ps();
-                        for (int64_t c = 0; c < D; c += 8)
-                            a = _mm512_fmadd_ps(_mm512_set1_ps(q[r0 + r][c + l]), _mm512_load_ps(kt + (c + l) * ZKEY_CHUNK + 16 * v), a);
-                        part[l][r][v] = a;
-                    }
-        }
-        for (int r = 0; r < R; r++) {
-            for (int64_t v = 0; v < nv; v++) {
-                __m512 sv = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0][r][v], part[1][r][v]), _mm512_add_ps(part[2][r][v], part[3][r][v])),
-                                          _mm512_add_ps(_mm512_add_ps(part[4][r][v], part[5][r][v]), _mm512_add_ps(part[6][r][v], part[7][r][v])));
-                sv = _mm512_mul_ps(sv, scale16);
-                if (mrow[r0 + r]) {
-                    const __m512i m16 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mrow[r0 + r] + t0 + 16 * v)));
-                    sv = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(m16, _mm512_setzero_si512()), ninf, sv);
-                }
-                _mm512_storeu_ps(srow[r0 + r] + t0 + 16 * v, sv);
-            }
-            scores_row(q[r0 + r], keys, D, t0 + nk, t1, mrow[r0 + r], scale, srow[r0 + r]);
-        }
-    }
-}
-#endif
-
-#define KEY_CHUNK 64 /* keys per unit of work in the scores pass */
-#define QTILE 6      /* queries per pass over the values: 6 x 2 accumulators */
-
-/* o[j][0..16) = (sum over t in order of p[j][t] * vals[t * D + 0..16)) * iv[j], j < NQ (8 values
- * when !wide). */
-#define PV(NQ)                                                                                      \
-    static void pv_##NQ(const float *const *p, const float *vals, int64_t T, int64_t D, int64_t wide, \
-                        const __m256 *iv, float *const *o) {                                        \
-        __m256 a0[NQ], a1[NQ];                                                                      \
-        _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) a0[j] = a1[j] = _mm256_setzero_ps();   \
-        for (int64_t t = 0; t < T; t++) {                                                           \
-            const __m256 v0 = _mm256_loadu_ps(vals + t * D), v1 = wide ? _mm256_loadu_ps(vals + t * D + 8) : v0; \
-            _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) {                                  \
-                const __m256 pv = _mm256_broadcast_ss(p[j] + t);                                    \
-                a0[j] = _mm256_fmadd_ps(pv, v0, a0[j]);                                             \
-                a1[j] = _mm256_fmadd_ps(pv, v1, a1[j]);                                             \
-            }                                                                                       \
-        }                                                                                           \
-        _Pragma("GCC unroll 8") for (int j = 0; j < NQ; j++) {                                      \
-            _mm256_storeu_ps(o[j], _mm256_mul_ps(a0[j], iv[j]));                                    \
-            if (wide) _mm256_storeu_ps(o[j] + 8, _mm256_mul_ps(a1[j], iv[j]));                      \
-        }                                                                                           \
-    }
-PV(1) PV(2) PV(3) PV(4) PV(5) PV(6)
-
-#if defined(__AVX512F__)
 #define ZQTILE 12 /* queries per pass over the values on 16 lanes: 12 x 2 accumulators */
-/* pv_NQ on 16 lanes, 32 values of D per query: each output the same sum (in order of t, one FMA
- * per key) times the same 1 / sum, so the same bits as the 8-lane passes. */
-#define PVZ(NQ)                                                                                     \
-    static void pvz_##NQ(const float *const *p, const float *vals, int64_t T, int64_t D, const float *inv, \
-                         float *const *o) {                                                         \
-        __m512 a0[NQ], a1[NQ];                                                                      \
-        _Pragma("GCC unroll 12") for (int j = 0; j < NQ; j++) a0[j] = a1[j] = _mm512_setzero_ps();  \
-        for (int64_t t = 0; t < T; t++) {                                                           \
-            const __m512 v0 = _mm512_loadu_ps(vals + t * D), v1 = _mm512_loadu_ps(vals + t * D + 16); \
-            _Pragma("GCC unroll 12") for (int j = 0; j < NQ; j++) {                                 \
-                const __m512 pv = _mm512_set1_ps(p[j][t]);                                          \
-                a0[j] = _mm512_fmadd_ps(pv, v0, a0[j]);                                             \
-                a1[j] = _mm512_fmadd_ps(pv, v1, a1[j]);                                             \
-            }                                                                                       \
-        }                                                                                           \
-        _Pragma("GCC unroll 12") for (int j = 0; j < NQ; j++) {                                     \
-            const __m512 iv = _mm512_set1_ps(inv[j]);                                               \
-            _mm512_storeu_ps(o[j], _mm512_mul_ps(a0[j], iv));                                       \
-            _mm512_storeu_ps(o[j] + 16, _mm512_mul_ps(a1[j], iv));                                  \
-        }                                                                                           \
-    }
-PVZ(1) PVZ(2) PVZ(3) PVZ(4) PVZ(5) PVZ(6) PVZ(7) PVZ(8) PVZ(9) PVZ(10) PVZ(11) PVZ(12)
-typedef void (*pvz_pass)(const float *const *, const float *, int64_t, int64_t, const float *, float *const *);
-static const pvz_pass pvz_passes[ZQTILE] = {pvz_1, pvz_2, pvz_3, pvz_4, pvz_5, pvz_6, pvz_7, pvz_8, pvz_9, pvz_10, pvz_11, pvz_12};
 #endif
 
-/* Attention of n new tokens' nh query heads over T cached keys (grouped: kv head g serves query
- * heads g * nh / nkv ...), inside a parallel region. q: qkv + i * wqkv + head * D (RoPE done);
- * kc/vc [nkv, tmax, D]; mask [n, T] (1 = attend) or NULL; out: attn [n, nh * D].
- * Three passes, each over independent units, so that every kv head's keys and values are read
- * once for all the queries they serve (not once per query head and token):
- *   scores: S[(i, head), t] = q . k_t * scale (-inf where masked), units = (kv head, 64 keys), or
- *     with AVX-512 and ZSCORES_FROM queries per kv head or more (kv head, 32 keys) on 16 lanes;
- *   softmax per (i, head) row: e^(S - max), and 1 / its sum; units = rows;
- *   values: out = sum over t in order of p_t * v_t, times 1 / sum; units = (kv head, 16 of D), or
- *     with AVX-512 (kv head, 32 of D) on 16 lanes, 12 queries a pass (at 8 tokens after 256, AMD
- *     EPYC family 26: the values pass 0.88 -> 0.58 ms per forward, the same bits).
- * Every sum runs in an order fixed by T and D alone: the result does not depend on the threads. */
 /* Whether attention_shared's passes run on 16 lanes where the build has them (1) or on 8 (0): the
  * same bits either way; Python sets it from a measurement on the machine at hand
  * (NativeLlama._choose_attention), since their speed was timed on one CPU (AMD Zen 5) only. */
 static int attention_wide = 1;
 
-static void attention_shared(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
-                             const float *kc, const float *vc, int64_t tmax, int64_t T, const uint8_t *mask,
-                             float scale, float *S, float *out) {
-    const int64_t group = nh / nkv, rows = n * nh, chunks = (T + KEY_CHUNK - 1) / KEY_CHUNK;
-    float *inv = S + rows * T;
-#if defined(__AVX512F__)
-    if (attention_wide && D % 8 == 0 && D <= 128 && n * group >= ZSCORES_FROM) {
-        const int64_t zchunks = (T + ZKEY_CHUNK - 1) / ZKEY_CHUNK, nq = n * group;
-        const float *q[64];
-        float *srow[64];
-        const uint8_t *mrow[64];
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < nkv * zchunks; u++) {
-            const int64_t g = u / zchunks, t0 = (u % zchunks) * ZKEY_CHUNK, t1 = t0 + ZKEY_CHUNK < T ? t0 + ZKEY_CHUNK : T;
-            for (int64_t j0 = 0; j0 < nq; j0 += 64) { /* the kv head's queries (i, g * group + h), i-major */
-                const int64_t m = nq - j0 < 64 ? nq - j0 : 64;
-                for (int64_t j = 0; j < m; j++) {
-                    const int64_t i = (j0 + j) / group, head = g * group + (j0 + j) % group;
-                    q[j] = qkv + i * wqkv + head * D;
-                    srow[j] = S + (i * nh + head) * T;
-                    mrow[j] = mask ? mask + i * T : NULL;
-                }
-                scores_rows16(q, m, kc + g * tmax * D, D, t0, t1, mrow, scale, srow);
-            }
-        }
-    } else
-#endif
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < nkv * chunks; u++) {
-        const int64_t g = u / chunks, t0 = (u % chunks) * KEY_CHUNK, t1 = t0 + KEY_CHUNK < T ? t0 + KEY_CHUNK : T;
-        const float *keys = kc + g * tmax * D;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t head = g * group; head < (g + 1) * group; head++) {
-                const float *q = qkv + i * wqkv + head * D;
-                float *srow = S + (i * nh + head) * T;
-                scores_row(q, keys, D, t0, t1, mask ? mask + i * T : NULL, scale, srow);
-            }
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) inv[r] = softmax_row(S + r * T, T, mask ? mask + (r / nh) * T : NULL);
-    if (D % 8) { /* odd head sizes (tiny test models): one (token, head) row at a time */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t i = r / nh, head = r % nh;
-            const float *vals = vc + (head / group) * tmax * D, *p = S + r * T;
-            for (int64_t c = 0; c < D; c++) {
-                float s = 0.0f;
-                for (int64_t t = 0; t < T; t++) s = fmaf(p[t], vals[t * D + c], s);
-                out[i * nh * D + head * D + c] = s * inv[r];
-            }
-        }
-        return;
-    }
-#if defined(__AVX512F__)
-    if (attention_wide && D % 32 == 0) { /* 16 lanes: units = (kv head, 32 of D) */
-        const int64_t zparts = D / 32;
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < nkv * zparts; u++) {
-            const int64_t g = u / zparts, c0 = (u % zparts) * 32;
-            const float *vals = vc + g * tmax * D + c0;
-            for (int64_t q0 = 0; q0 < n * group; q0 += ZQTILE) { /* queries (i, g * group + h), i-major */
-                const int64_t nq = n * group - q0 < ZQTILE ? n * group - q0 : ZQTILE;
-                const float *p[ZQTILE];
-                float *o[ZQTILE], iv[ZQTILE];
-                for (int64_t j = 0; j < nq; j++) {
-                    const int64_t qj = q0 + j, i = qj / group, head = g * group + qj % group, r = i * nh + head;
-                    p[j] = S + r * T;
-                    o[j] = out + i * nh * D + head * D + c0;
-                    iv[j] = inv[r];
-                }
-                pvz_passes[nq - 1](p, vals, T, D, iv, o);
-            }
-        }
-        return;
-    }
-#endif
-    const int64_t parts = (D / 8 + 1) / 2; /* 16 values of D per unit (the last may hold 8) */
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < nkv * parts; u++) {
-        const int64_t g = u / parts, c0 = (u % parts) * 16, wide = c0 + 16 <= D;
-        const float *vals = vc + g * tmax * D + c0;
-        for (int64_t q0 = 0; q0 < n * group; q0 += QTILE) { /* queries (i, g * group + h), i-major */
-            const int64_t nq = n * group - q0 < QTILE ? n * group - q0 : QTILE;
-            const float *p[QTILE];
-            float *o[QTILE];
-            __m256 iv[QTILE];
-            for (int64_t j = 0; j < nq; j++) {
-                const int64_t qj = q0 + j, i = qj / group, head = g * group + qj % group, r = i * nh + head;
-                p[j] = S + r * T;
-                o[j] = out + i * nh * D + head * D + c0;
-                iv[j] = _mm256_set1_ps(inv[r]);
-            }
-            switch (nq) {
-            case 1: pv_1(p, vals, T, D, wide, iv, o); break;
-            case 2: pv_2(p, vals, T, D, wide, iv, o); break;
-            case 3: pv_3(p, vals, T, D, wide, iv, o); break;
-            case 4: pv_4(p, vals, T, D, wide, iv, o); break;
-            case 5: pv_5(p, vals, T, D, wide, iv, o); break;
-            default: pv_6(p, vals, T, D, wide, iv, o); break;
-            }
-        }
-    }
-}
-
-/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden].
- * k/v caches: [kv_heads, tmax, head_dim] for this layer; the new keys and values are written
- * at slots [start, start + n). mask: [n, start + n] (1 = attend) or NULL to attend to all of
- * them. cos/sin: [max_position, head_dim]. Returns 0, or 1 when a size is out of range. */
-/* o[0..D) = (sum over t in order of p[t] * vals[t * D + 0..D)) * inv, D a multiple of 8: 64 values
- * of D at a time on 8 accumulators (16 or 8 at the end). */
-static void pv_row(const float *p, const float *vals, int64_t T, int64_t D, float inv, float *o) {
-    const __m256 iv = _mm256_set1_ps(inv);
-    int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64) {
-        __m256 a[8];
-        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < T; t++) {
-            const __m256 pv = _mm256_broadcast_ss(p + t);
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vals + t * D + c0 + 8 * c), a[c]);
-        }
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + c0 + 8 * c, _mm256_mul_ps(a[c], iv));
-    }
-    for (; c0 < D; c0 += 16) {
-        const float *pp[1] = {p};
-        float *oo[1] = {o + c0};
-        pv_1(pp, vals + c0, T, D, c0 + 16 <= D, &iv, oo);
-    }
-}
-
-/* The same attention as attention_shared, one (token, head) row per unit in a single pass: no
- * barriers between passes, but each query head reads its kv head's keys and values itself. */
-static void attention_rows(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
-                           const float *kc, const float *vc, int64_t tmax, int64_t T, const uint8_t *mask,
-                           float scale, float *S, float *out) {
-    const int64_t group = nh / nkv;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n * nh; r++) {
-        const int64_t i = r / nh, head = r % nh, g = head / group;
-        const float *keys = kc + g * tmax * D, *vals = vc + g * tmax * D;
-        float *srow = S + r * T, *o = out + i * nh * D + head * D;
-        scores_row(qkv + i * wqkv + head * D, keys, D, 0, T, mask ? mask + i * T : NULL, scale, srow);
-        const float inv = softmax_row(srow, T, mask ? mask + i * T : NULL);
-        if (D % 8 == 0) {
-            pv_row(srow, vals, T, D, inv, o);
-        } else {
-            for (int64_t c = 0; c < D; c++) {
-                float s = 0.0f;
-                for (int64_t t = 0; t < T; t++) s = fmaf(srow[t], vals[t * D + c], s);
-                o[c] = s * inv;
-            }
-        }
-    }
-}
+/* The attention passes (ddspec_attention.inc) for a cache of fp32 keys and values ... */
+#define KVT float
+#define KVN(name) name##_f32
+#define KV_LOAD8(p) _mm256_loadu_ps(p)
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define KV_ONE(p) (*(p))
+#define KV_HALF 0
+#include "ddspec_attention.inc"
+#undef KVT
+#undef KVN
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_ONE
+#undef KV_HALF
+/* ... and of fp16 ones (kv_half in dd_layers_forward: the 8-bit-activation model's cache) */
+#define KVT uint16_t
+#define KVN(name) name##_f16
+#define KV_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define KV_ONE(p) _cvtsh_ss(*(p))
+#define KV_HALF 1
+#include "ddspec_attention.inc"
+#undef KVT
+#undef KVN
+#undef KV_LOAD8
+#undef KV_LOAD16
+#undef KV_ONE
+#undef KV_HALF
 
 /* Which attention runs: 0 = by size (see layer_forward_buf), 1 = attention_rows, 2 = attention_shared. */
 static int attention_mode = 0;
@@ -1590,14 +1279,29 @@ int dd_set_attention_wide(int on) {
 }
 
 /* Floats of scratch one layer needs for n new tokens over T keys. */
+/* dst[0..D) <- src rounded to the nearest fp16 (ties to even), the same bits in every lane and in
+ * the scalar tail. */
+static void to_half(uint16_t *dst, const float *src, int64_t D) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        _mm_storeu_si128((__m128i *)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d < D; d++) dst[d] = _cvtss_sh(src[d], _MM_FROUND_TO_NEAREST_INT);
+}
+
 static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
     const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
     return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
 }
 
+/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden].
+ * k/v caches: [kv_heads, tmax, head_dim] for this layer, fp32, or fp16 with kv_half (each new key
+ * and value rounded to the nearest fp16 as it is written, before any row attends to it); the new
+ * keys and values are written at slots [start, start + n). mask: [n, start + n] (1 = attend) or
+ * NULL to attend to all of them. cos/sin: [max_position, head_dim]. Returns 0, or 1 when a size is
+ * out of range. */
 static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
-                             const float *sin_t, float *kc, float *vc, int64_t tmax, int64_t start,
-                             const uint8_t *mask, int nthreads, const float *extra, float *buf) {
+                             const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
+                             const uint8_t *mask, int nthreads, const float *extra, float *buf, int kv_half) {
     const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
     const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
     if (D > 512 || T > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * I) return 1;
@@ -1625,15 +1329,27 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
             if (head >= nh) {
                 const int64_t g = head - nh;
-                memcpy(kc + (g * tmax + start + i) * D, v, sizeof(float) * (size_t)D);
-                memcpy(vc + (g * tmax + start + i) * D, qkv + i * wqkv + nq + nk + g * D, sizeof(float) * (size_t)D);
+                const float *val = qkv + i * wqkv + nq + nk + g * D;
+                const int64_t slot = (g * tmax + start + i) * D;
+                if (kv_half) {
+                    to_half((uint16_t *)kc + slot, v, D);
+                    to_half((uint16_t *)vc + slot, val, D);
+                } else {
+                    memcpy((float *)kc + slot, v, sizeof(float) * (size_t)D);
+                    memcpy((float *)vc + slot, val, sizeof(float) * (size_t)D);
+                }
             }
         }
         /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
-        if (attention_mode == 1 || (attention_mode == 0 && n == 1))
-            attention_rows(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
+        if (kv_half && rows)
+            attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        else if (kv_half)
+            attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        else if (rows)
+            attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         else
-            attention_shared(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+            attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
         gemm_shared(&L->o, attn, n, x, H, 1);
 #pragma omp for schedule(static)
@@ -1658,7 +1374,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
 }
 
 /* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each), layer i
- * using the cache at kc + i * layer_stride (and vc likewise). One call per forward instead of
+ * using the cache at kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per forward instead of
  * one per layer; extra: [n, extra] for the layers that read one (NULL when none does); capture:
  * NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
  * layer i (the residual streams a draft head reads); final_norm: NULL, or the weights [H] of an
@@ -1667,9 +1383,9 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
  * through the caches, a first torch op measured 30-60 us instead of 4-13). Returns 0, or the
  * first nonzero code with the failing layer's index * 8 added. */
 int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
-                      const float *cos_t, const float *sin_t, float *kc, float *vc, int64_t layer_stride,
+                      const float *cos_t, const float *sin_t, void *kc, void *vc, int64_t layer_stride,
                       int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra,
-                      float *const *capture, const float *final_norm, float final_eps) {
+                      float *const *capture, const float *final_norm, float final_eps, int kv_half) {
     int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
         const int64_t need = layer_scratch(layers + i, n, start + n);
@@ -1680,8 +1396,9 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     int rc = 0;
     for (int64_t i = 0; i < count && !rc; i++) {
         if (capture && capture[i]) memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
-        rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, kc + i * layer_stride, vc + i * layer_stride,
-                               tmax, start, mask, nthreads, extra, buf);
+        const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
+        rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at,
+                               tmax, start, mask, nthreads, extra, buf, kv_half);
         if (rc) rc += 8 * (int)i;
     }
     free(buf);
