@@ -731,3 +731,32 @@ def test_a_half_cache_hands_fp32_callers_fp32():
     keys, values = cache.write(1, k, v)
     assert keys.dtype == values.dtype == torch.float32 and keys.shape == (1, 1, 3, 8)
     assert torch.equal(keys, k.half().float()) and torch.equal(values, v.half().float())
+
+
+def test_a_long_prompt_runs_in_chunks_with_the_bits_of_one_forward(tiny_dirs, monkeypatch):
+    """A causal forward longer than PREFILL_CHUNK runs as forwards of PREFILL_CHUNK tokens: logits,
+    features, captured residual streams and the cache are those of one forward, bit for bit, and
+    the cache then keeps them all as that forward's entries."""
+    from ddspec.models import llama
+    from ddspec.models.loading import load_target
+
+    _quantise_dense(monkeypatch)
+    target = load_target(str(tiny_dirs["llama"]), impl="native", activations="int8")
+    tokens = torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for chunk in (1000, 32, 7):
+        monkeypatch.setattr(llama, "PREFILL_CHUNK", chunk)
+        target.reset(80)
+        out = target.forward(tokens, torch.arange(70), hidden_layers=(1,))
+        target.commit(torch.arange(70))
+        last = target.forward(tokens[:3], torch.arange(70, 73), last_logits=True)
+        runs[chunk] = (out, last, target.cache.keys[:, :, :, :73].clone(), target.cache_length)
+        target.reset(80)  # as the engine asks: the last token's logits only
+        assert torch.equal(target.forward(tokens, torch.arange(70), last_logits=True).logits, out.logits[-1:])
+    one = runs[1000]
+    for chunk in (32, 7):
+        out, last, keys, length = runs[chunk]
+        assert length == one[3] == 73
+        assert torch.equal(out.logits, one[0].logits) and torch.equal(out.features, one[0].features)
+        assert torch.equal(out.hidden_states[1], one[0].hidden_states[1])
+        assert torch.equal(last.logits, one[1].logits) and torch.equal(keys, one[2])

@@ -1184,6 +1184,9 @@ static float softmax_dense(float *srow, int64_t T) {
  * same bits either way; Python sets it from a measurement on the machine at hand
  * (NativeLlama._choose_attention), since their speed was timed on one CPU (AMD Zen 5) only. */
 static int attention_wide = 1;
+/* zeros after a causal row's last score: a values pass covers at most ZQTILE (12) queries, so its
+ * last token is at most 11 past any of its rows' */
+#define CAUSAL_FILL 16
 
 /* The attention passes (ddspec_attention.inc) for a cache of fp32 keys and values ... */
 #define KVT float
@@ -1301,7 +1304,8 @@ static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
  * out of range. */
 static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
                              const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
-                             const uint8_t *mask, int nthreads, const float *extra, float *buf, int kv_half) {
+                             const uint8_t *mask, int causal, int nthreads, const float *extra, float *buf,
+                             int kv_half) {
     const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
     const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
     if (D > 512 || T > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * I) return 1;
@@ -1345,11 +1349,11 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
         if (kv_half && rows)
             attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         else if (kv_half)
-            attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+            attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
         else if (rows)
             attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         else
-            attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+            attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
         /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
         gemm_shared(&L->o, attn, n, x, H, 1);
 #pragma omp for schedule(static)
@@ -1373,6 +1377,19 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
     return 0;
 }
 
+/* Whether mask [n, start + n] is the causal one: row i sees keys [0, start + i] and no other (a
+ * prompt's, a chain's; the attention then skips the hidden keys, see attention_shared). */
+static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
+    if (!mask) return 0;
+    const int64_t T = start + n;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = mask + i * T, *hidden = memchr(row, 0, (size_t)T);
+        if ((hidden ? hidden - row : T) != start + i + 1) return 0;
+        if (hidden && memchr(hidden, 1, (size_t)(T - (start + i + 1)))) return 0;
+    }
+    return 1;
+}
+
 /* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each), layer i
  * using the cache at kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per forward instead of
  * one per layer; extra: [n, extra] for the layers that read one (NULL when none does); capture:
@@ -1393,12 +1410,13 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     }
     float *buf = malloc(sizeof(float) * (size_t)(size + 1));
     if (!buf) return 2;
+    const int causal = is_causal(mask, n, start);
     int rc = 0;
     for (int64_t i = 0; i < count && !rc; i++) {
         if (capture && capture[i]) memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
         const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
         rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at,
-                               tmax, start, mask, nthreads, extra, buf, kv_half);
+                               tmax, start, mask, causal, nthreads, extra, buf, kv_half);
         if (rc) rc += 8 * (int)i;
     }
     free(buf);
