@@ -403,3 +403,19 @@ def test_llama_cpp_trial_turns_a_crash_into_a_reason(monkeypatch, tmp_path):
     assert why is not None and "no luck" in why
     monkeypatch.setattr(runner, "_TRIAL", "import sys; assert sys.argv[1].endswith('m.gguf')")
     assert runner.llama_cpp_trial(gguf, 2) is None
+
+
+def test_target_bench_long_context_rows(tiny_dirs, monkeypatch):
+    """`make bench`'s long-context table: per native arm its KV cache's dtype, the forwards over 1, 4
+    and 8 tokens after LONG_CONTEXT cached tokens, their ratios and a prompt's prefill."""
+    from ddspec.bench import target as bench_target
+    from ddspec.models.loading import load_target
+
+    monkeypatch.setattr(bench_target, "LONG_CONTEXT", 40)
+    model = load_target(str(tiny_dirs["llama"]), impl="native")
+    lines = bench_target.long_context_lines({"native": model})
+    assert "after 40 cached tokens" in lines[0] and lines[2].startswith("| arm | KV cache | T(1)")
+    cells = [c.strip() for c in lines[-1].strip("|").split("|")]
+    assert cells[:2] == ["native", "fp32"] and len(cells) == 8
+    times, ratios = [float(c) for c in cells[2:5] + cells[7:]], [float(c.rstrip("x")) for c in cells[5:7]]
+    assert all(t >= 0 for t in times) and all(r > 0 for r in ratios)  # a tiny model's times round to 0.0

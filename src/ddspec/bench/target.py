@@ -12,7 +12,9 @@ Prints, in one run, on this machine:
    native target chose on this machine (models/kernels.py);
 4. the compute floor: the CPU's measured 8-bit multiply-add peak, and what it allows a forward
    over 8 and 16 tokens whatever the kernel (the lower bound of T(8)/T(1) and T(16)/T(1));
-5. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
+5. long context: the forward over 1, 4, 8 new tokens after 2,000 cached tokens and the prefill of
+   a 2,000-token prompt, per native arm (with the KV cache's dtype);
+6. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
    over the draft vocabulary, top-k) for top_k = 1..16.
 
 Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]``.
@@ -181,6 +183,45 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     return {n: medians[n] * 1e3 for n in sizes}
 
 
+LONG_CONTEXT = 2000  # the long-context rows: forwards after this many cached tokens, and a prompt this long
+LONG_SIZES = (1, 4, 8)
+
+
+def prefill_ms(target, n: int, reps: int = 3) -> float:
+    """Median ms of the prefill of an n-token prompt (the engine's call: the last token's logits)."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, target.info.vocab_size, (n,), generator=gen)
+    times = []
+    for _ in range(reps):
+        target.reset(n + 1)
+        t = time.perf_counter()
+        target.forward(prompt, torch.arange(n), last_logits=True)
+        device_sync(target.device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def long_context_lines(arms: dict) -> list[str]:
+    """The forward over 1, 4, 8 tokens after LONG_CONTEXT cached ones and the prefill of a prompt
+    that long, per native arm: where attention, not the weights, sets the cost."""
+    rows = []
+    for name, target in arms.items():
+        fwd = forward_times(target, LONG_CONTEXT, sizes=LONG_SIZES, reps=9)
+        pre = prefill_ms(target, LONG_CONTEXT)
+        label = "native" if name == "native" else "native, int8 activations"
+        kv = str(getattr(target, "kv_dtype", torch.float32)).removeprefix("torch.").replace("float", "fp")
+        rows.append(f"| {label} | {kv} | " + " | ".join(f"{fwd[n]:.1f}" for n in LONG_SIZES)
+                    + f" | {fwd[4] / fwd[1]:.2f}x | {fwd[8] / fwd[1]:.2f}x | {pre:.0f} |")
+    return [
+        f"Long context: a forward over N new tokens after {LONG_CONTEXT:,} cached tokens (ms, median of 9 "
+        f"rounds, interleaved) and the prefill of a {LONG_CONTEXT:,}-token prompt (ms, median of 3):",
+        "",
+        "| arm | KV cache | T(1) | T(4) | T(8) | T(4)/T(1) | T(8)/T(1) | prefill |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 LEVEL_TOP_KS = (1, 2, 4, 8, 10, 16)
 
 
@@ -257,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     fwd_native = fwd["native"]
     fwd_hf = forward_times(hf, 256)
     levels = draft_level_times(native)
+    long_lines = long_context_lines(arms)
     from ddspec import native as native_lib
 
     peak = native_lib.int8_peak(args.threads)
@@ -310,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}; "
         f"C kernels: {native_kernels_line()}",
         *compute_floor_lines(native, fwd.get("int8", {}), peak),
+        "",
+        *long_lines,
         "",
         "One draft level of the shipped head (head over top_k rows + log-softmax over the draft vocabulary "
         "+ top-k; ms, median):",
