@@ -556,3 +556,18 @@ def test_seeded_sampling_does_not_depend_on_the_memory(tiny_targets, tmp_path, m
     again = Engine(target, remembering, seeded).generate([5, 17, 33], stop).token_ids
     assert remembering.cost_policy._drafted != 50.0 or remembering.cost_policy.steps_seen == 0
     assert again == fresh  # ... and dropped for the seeded run
+
+
+def test_the_cost_key_tells_the_kv_cache_apart(tiny_targets, monkeypatch):
+    """An fp16 KV cache (the int8 model's default) reads half the bytes in attention: other costs,
+    its own cache entry; an fp32 cache keeps the key it always had."""
+    import torch
+
+    target = tiny_targets[("llama", "native")]
+    head = random_head(target.hf_config, seed=4).eval().requires_grad_(False)
+    drafter = EagleDrafter(head, target, SMALL)
+    plain = drafter_cost_key(target, drafter)
+    monkeypatch.setattr(target, "kv_dtype", torch.float16)
+    half = drafter_cost_key(target, drafter)
+    assert "kv_cache" not in plain and half["kv_cache"] == "float16"
+    assert {k: v for k, v in half.items() if k != "kv_cache"} == plain

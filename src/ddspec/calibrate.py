@@ -57,6 +57,8 @@ def cost_key(target, head, top_k: int, draft_weights: str) -> dict:
     }
     if getattr(target, "activations", "fp32") != "fp32":  # another model, other costs (fp32 keys unchanged)
         key["activations"] = target.activations
+    if getattr(target, "kv_dtype", torch.float32) != torch.float32:  # an fp16 cache: other attention costs
+        key["kv_cache"] = str(target.kv_dtype).removeprefix("torch.")
     if draft_weights != "q8_0":  # the head's matmuls on other kernels, other draft costs (keys made before
         key["draft_weights"] = draft_weights  # this field existed were all q8_0's, and stay valid)
     from ddspec import native
