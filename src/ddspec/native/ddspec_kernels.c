@@ -1188,7 +1188,8 @@ static int attention_wide = 1;
  * last token is at most 11 past any of its rows' */
 #define CAUSAL_FILL 16
 
-/* The attention passes (ddspec_attention.inc) for a cache of fp32 keys and values ... */
+/* The attention passes (ddspec_attention.inc, which undefines these parameters at its end) for a
+ * cache of fp32 keys and values ... */
 #define KVT float
 #define KVN(name) name##_f32
 #define KV_LOAD8(p) _mm256_loadu_ps(p)
@@ -1196,12 +1197,6 @@ static int attention_wide = 1;
 #define KV_ONE(p) (*(p))
 #define KV_HALF 0
 #include "ddspec_attention.inc"
-#undef KVT
-#undef KVN
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_ONE
-#undef KV_HALF
 /* ... and of fp16 ones (kv_half in dd_layers_forward: the 8-bit-activation model's cache) */
 #define KVT uint16_t
 #define KVN(name) name##_f16
@@ -1210,12 +1205,6 @@ static int attention_wide = 1;
 #define KV_ONE(p) _cvtsh_ss(*(p))
 #define KV_HALF 1
 #include "ddspec_attention.inc"
-#undef KVT
-#undef KVN
-#undef KV_LOAD8
-#undef KV_LOAD16
-#undef KV_ONE
-#undef KV_HALF
 
 /* Which attention runs: 0 = by size (see layer_forward_buf), 1 = attention_rows, 2 = attention_shared. */
 static int attention_mode = 0;
