@@ -99,6 +99,24 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of 8 lanes (none of them NaN): max is exact, so any order gives the same value. */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+/* This thread's output groups [*g0, *g1) of `groups`: contiguous ranges balanced to within one
+ * group among the team's threads (all of them outside a parallel region). A matmul's threads
+ * split groups, not passes of G groups: 36 groups in passes of 4 are 9 passes, 5 for one thread
+ * and 4 for the other, where 18 groups each are even. The caller ends with a barrier. */
+static inline void thread_groups(int64_t groups, int64_t *g0, int64_t *g1) {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    *g0 = groups * t / T;
+    *g1 = groups * (t + 1) / T;
+}
+
 /* Group g's 16 weights at input k of a dense weight (fp32, or fp16 / bf16 holding fp32 values
  * exactly), as two vectors (outputs 0-7, 8-15). */
 static inline __attribute__((always_inline)) void weights_at(const dd_weight *W, int64_t g, int64_t k, __m256 *w0, __m256 *w1) {
@@ -523,23 +541,25 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
          wpass_##KIND##_5_2, wpass_##KIND##_6_2, wpass_##KIND##_7_2, wpass_##KIND##_8_2},           \
         {wpass_##KIND##_1_3, wpass_##KIND##_2_3, wpass_##KIND##_3_3, wpass_##KIND##_4_3},           \
         {wpass_##KIND##_1_4, wpass_##KIND##_2_4}};                                                  \
-    /* all n rows, groups shared G at a time among the threads (G from dd_wide_groups for the  \
-     * largest tile), each unit of G groups against balanced tiles of at most WIDE_TILE rows    \
-     * (a short last unit takes a pass of fewer groups) */                                      \
+    /* all n rows; each thread's groups (thread_groups) G at a time (G from dd_wide_groups for \
+     * the largest tile), each unit of G groups against balanced tiles of at most WIDE_TILE     \
+     * rows (a short last unit takes a pass of fewer groups) */                                 \
     static void wide_gemm_##KIND(const dd_weight *W, const float *x, int64_t n, const float *sx,   \
                                  float *y, int64_t ldy, int acc) {                                  \
         const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, ldx = W->in;                    \
         const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;                                      \
-        const int64_t G = wide_groups(KIND_ID, n), units = (groups + G - 1) / G;                    \
-_Pragma("omp for schedule(static)")                                                                 \
-        for (int64_t u = 0; u < units; u++) {                                                       \
-            const int64_t g = u * G, ng = groups - g < G ? groups - g : G;                          \
+        const int64_t G = wide_groups(KIND_ID, n);                                                  \
+        int64_t g0, g1;                                                                             \
+        thread_groups(groups, &g0, &g1);                                                            \
+        for (int64_t g = g0; g < g1; g += G) {                                                      \
+            const int64_t ng = g1 - g < G ? g1 - g : G;                                             \
             for (int64_t t = 0, r = 0; t < tiles; t++) {                                            \
                 const int64_t rows = n / tiles + (t < n % tiles);                                   \
                 wide_##KIND[ng - 1][rows - 1](W, g, x + r * ldx, ldx, sx + r * nb, y + r * ldy, ldy, acc); \
                 r += rows;                                                                          \
             }                                                                                       \
         }                                                                                           \
+_Pragma("omp barrier")                                                                              \
     }
 #define WIDE_CALL(KIND_ID, KIND)                                                                      \
     if (wide_groups(KIND_ID, n)) {                                                                  \
@@ -647,8 +667,10 @@ static inline __attribute__((always_inline)) __m256i a8_acc32(__m256i s, __m256i
 #endif
 }
 
-/* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]. */
-static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx) {
+/* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]; with sq, also
+ * each block's integer sum of qx (the rounded values are within [-127, 127], so the packs below
+ * never saturate and the sum of the 32-bit values is the sum of qx). */
+static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx, int32_t *sq) {
     const int64_t nb = in / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -660,15 +682,20 @@ static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, 
                 v[j] = _mm256_loadu_ps(xb + 8 * j);
                 amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
             }
-            float m8[8], mx = 0.0f;
-            _mm256_storeu_ps(m8, amax);
-            for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+            const float mx = hmax8(amax);
             const float d = mx / 127.0f, inv = mx > 0.0f ? 127.0f / mx : 0.0f;
             dx[r * nb + b] = d;
             __m256i i32[4];
             for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
             const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
             _mm256_storeu_si256((__m256i *)(qx + r * in + b * 32), _mm256_permutevar8x32_epi32(p16, order));
+            if (sq) {
+                const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+                sq[r * nb + b] = _mm_cvtsi128_si32(h);
+            }
         }
 }
 
@@ -708,41 +735,43 @@ typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, co
  * the rows itself (no sharing, no barrier), and for Q4_1 takes their block sums (the minimums'
  * term), then the groups are shared, each against balanced tiles of at most `tile` rows
  * (7 = 4 + 3), passes[rows - 1] running a tile. With `wide` (the 16-lane passes by groups and
- * rows) and a nonzero dd_wide_groups entry for n rows, units of G groups against tiles of at most
- * WIDE_TILE rows instead. */
+ * rows) and a nonzero dd_wide_groups entry for n rows, each thread's groups (thread_groups) G at a
+ * time against tiles of at most WIDE_TILE rows instead. */
 static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
                     const a8_pass *passes, int64_t tile, const a8_wide_pass (*wide)[WIDE_TILE]) {
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
     int8_t *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
     float *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1)), *sx = dx + n * nb;
-    quantise_rows_a8(x, n, in, qx, dx);
-    if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
 #if DD_WIDE_A8
     const int64_t G = wide ? wide_groups(W->kind, n) : 0;
+    /* the 16-lane Q8_0 passes add 128 to the levels and take it back with the block sums of qx */
+    int32_t *sq = G && W->kind == DD_Q8_0_A8 ? malloc(sizeof(int32_t) * (size_t)(n * nb + 1)) : NULL;
+#else
+    int32_t *sq = NULL;
+    (void)wide;
+#endif
+    quantise_rows_a8(x, n, in, qx, dx, sq);
+    if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
+#if DD_WIDE_A8
     if (G) {
-        int32_t *sq = malloc(sizeof(int32_t) * (size_t)(n * nb + 1));
-        for (int64_t i = 0; i < n * nb; i++) {
-            int32_t t = 0;
-            for (int k = 0; k < 32; k++) t += qx[i * 32 + k];
-            sq[i] = t;
-        }
-        const int64_t wtiles = (n + WIDE_TILE - 1) / WIDE_TILE, units = (groups + G - 1) / G;
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t g = u * G, ng = groups - g < G ? groups - g : G;
+        const int64_t wtiles = (n + WIDE_TILE - 1) / WIDE_TILE;
+        int64_t g0, g1;
+        thread_groups(groups, &g0, &g1);
+        for (int64_t g = g0; g < g1; g += G) {
+            const int64_t ng = g1 - g < G ? g1 - g : G;
             for (int64_t t = 0, r = 0; t < wtiles; t++) {
                 const int64_t rows = n / wtiles + (t < n % wtiles);
-                wide[ng - 1][rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, sq + r * nb, y + r * ldy, ldy, acc);
+                wide[ng - 1][rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, sq ? sq + r * nb : NULL, y + r * ldy,
+                                       ldy, acc);
                 r += rows;
             }
         }
+#pragma omp barrier
         free(sq);
         free(qx);
         free(dx);
         return;
     }
-#else
-    (void)wide;
 #endif
     const int64_t tiles = (n + tile - 1) / tile;
 #pragma omp for schedule(static)
@@ -1348,18 +1377,22 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
         gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
+        /* in units of 256 columns, so that one token's row is shared too (each column alone, and
+         * the same columns take the 8-lane path as with whole rows: the same bits) */
+        const int64_t chunks = (I + 255) / 256;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t unit = 0; unit < n * chunks; unit++) {
+            const int64_t i = unit / chunks, c0 = unit % chunks * 256, c1 = c0 + 256 < I ? c0 + 256 : I;
             const float *g = gu + i * 2 * I, *u = g + I;
             float *a = act + i * I;
-            int64_t c = 0;
-            for (; c + 8 <= I; c += 8) {
+            int64_t c = c0;
+            for (; c + 8 <= c1; c += 8) {
                 const __m256 gv = _mm256_loadu_ps(g + c);
                 const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
                 _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
                                                       _mm256_loadu_ps(u + c)));
             }
-            for (; c < I; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
+            for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
         }
         gemm_shared(&L->down, act, n, x, H, 1);
     }
