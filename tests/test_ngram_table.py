@@ -199,3 +199,44 @@ def test_ngrams_command_answers_resumes_and_builds(tmp_path, tiny_dirs):
     assert main(args) == 0
     assert len(open(out / "answers.jsonl").readlines()) == 4
     assert main(args + ["--cap", "bad"]) == 2
+
+
+def test_ngrams_command_samples_in_its_own_folder_and_joins_other_answers(tmp_path, tiny_dirs):
+    """--temperature samples the answers (seeded: the same text twice), each marked with it; a folder
+    of greedy answers refuses a sampled run (and the reverse), and --also adds another run's answers."""
+    from ddspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"id": f"s:{i}", "source": "s", "turns": [f"question {i} about {i * 7}"]}) + "\n")
+    base = ["ngrams", "--prompts", str(prompts), "--per-source", "3", "--max-new-tokens", "10",
+            "--model", str(tiny_dirs["llama"])]
+    greedy, hot, again = tmp_path / "greedy", tmp_path / "hot", tmp_path / "again"
+    assert main(base + ["--out", str(greedy)]) == 0
+    sampled = ["--temperature", "1.5", "--sample-seed", "3"]
+    assert main(base + ["--out", str(hot), *sampled, "--also", str(greedy / "answers.jsonl")]) == 0
+    assert main(base + ["--out", str(again), *sampled]) == 0
+
+    def read(folder):
+        return [json.loads(line) for line in open(folder / "answers.jsonl")]
+
+    hot_rows, greedy_rows = read(hot), read(greedy)
+    assert all(r["temperature"] == 1.5 and r["seed"] == 3 for r in hot_rows)
+    assert [r["output_ids"] for r in hot_rows] == [r["output_ids"] for r in read(again)]  # seeded
+    assert [r["output_ids"] for r in hot_rows] != [r["output_ids"] for r in greedy_rows]  # sampled, not greedy
+    meta = NgramTable.load(hot / "ngrams.safetensors").meta
+    assert meta["answers"] == 6 and meta["also_answers"] == 3 and meta["temperature"] == 1.5
+    assert main(base + ["--out", str(hot)]) == 2  # greedy answers into a folder of sampled ones
+    assert main(base + ["--out", str(greedy), *sampled]) == 2  # and the reverse
+    assert main(base + ["--out", str(hot), *sampled, "--also", str(hot / "answers.jsonl")]) == 2  # its own file
+    assert main(base + ["--out", str(tmp_path / "bad"), "--temperature", "-1"]) == 2
+
+
+def test_a_table_without_endings_saves_and_loads(tmp_path):
+    """Answers too few or too varied for any ending to repeat give an empty table, not a crash."""
+    table = NgramTable.build([[1, 2, 3], [4, 5, 6]], {"note": "empty"})
+    assert len(table) == 0
+    table.save(tmp_path / "t.safetensors")
+    loaded = NgramTable.load(tmp_path / "t.safetensors")
+    assert len(loaded) == 0 and loaded.continuation([1, 2, 3]) == (0, [])

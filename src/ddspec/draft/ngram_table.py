@@ -121,7 +121,7 @@ class NgramTable:
             t, s = self.entries[k]
             tokens[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
             shares[i, :len(s)] = torch.tensor([round(x * 255) for x in s], dtype=torch.uint8)
-        if max(int(grams.max()), int(tokens.max()), 0) < U16_PAD:
+        if max([int(x.max()) for x in (grams, tokens) if x.numel()] + [0]) < U16_PAD:  # (a table may be empty)
             grams, tokens = (x.masked_fill(x < 0, U16_PAD).to(torch.uint16) for x in (grams, tokens))
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

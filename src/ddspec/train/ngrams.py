@@ -8,7 +8,10 @@ source, ``--cap`` for some), written to OUT/answers.jsonl as they finish; a reru
 OUT resumes after the answers already there, and ``--build-only`` builds from what a stopped run
 wrote. Then the table (draft/ngram_table.py) is built from the answers and written to
 OUT/ngrams.safetensors. ``--exclude`` keeps prompts out (those you measure on). Never give it the
-evaluation files.
+evaluation files. ``--temperature`` samples the answers instead (new text for prompts a greedy run
+answered; in its own OUT), and ``--also`` adds another run's answers to the table:
+
+    ddspec ngrams --out runs/ngrams-t07 --activations int8 --temperature 0.7 --also runs/ngrams/answers.jsonl
 
 The answers are decoded one prompt at a time with the ``lookup`` method (drafts from the
 context and the shipped table, verified by the target): greedy speculative decoding gives plain
@@ -57,6 +60,13 @@ def add_parser(sub) -> None:
                    help="answer nothing more: build the table from the answers OUT holds (e.g. after stopping a run)")
     p.add_argument("--min-count", type=int, default=3,
                    help="keep an ending seen at least this many times (default 3)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the answers at this temperature (default 0: greedy). A sampled pass writes "
+                        "new text for prompts already answered greedily; give it its own --out")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the sampled answers (default 0)")
+    p.add_argument("--also", action="append", default=[], metavar="ANSWERS.jsonl",
+                   help="answers another run wrote (e.g. runs/ngrams/answers.jsonl) that join the table "
+                        "(repeatable)")
     add_model_args(p)
     p.set_defaults(handler=run)
 
@@ -117,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
     from ddspec.args import setup_torch, target_from_args
     from ddspec.draft.ngram_table import NgramTable
     from ddspec.prompts import chat_prompt_ids
-    from ddspec.config import StopConfig
+    from ddspec.config import SamplingConfig, StopConfig
     from ddspec.engine import Engine
     from ddspec.methods import make_drafter
 
     if min(args.per_source, args.max_new_tokens, args.min_count, args.max_prompts or 1) < 1:
         raise DdspecError("--per-source, --max-new-tokens, --min-count and --max-prompts must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature, seed=args.sample_seed)  # checks the temperature
     rows = _read_jsonl(args.prompts, "prompts file")
     for r in rows:
         r.setdefault("id", r.get("question_id"))
@@ -134,6 +145,16 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     answers = out / "answers.jsonl"
     answered = _read_answers(answers)  # and, below, each answer as it is written: the file is read once
+    mixed = {r.get("temperature", 0.0) for r in answered} - {args.temperature}
+    if mixed:
+        raise DdspecError(f"{answers} holds answers at temperature {sorted(mixed)[0]:g}, not "
+                          f"{args.temperature:g}: give this run its own --out (and --also {answers} to build "
+                          "one table from both)")
+    also = []
+    for path in args.also:
+        if Path(path).resolve() == answers.resolve():
+            raise DdspecError(f"--also {path} is this run's own answers file: it is read already")
+        also += [r["output_ids"] for r in _read_jsonl(path, "--also answers file") if r.get("output_ids")]
     done = {r["id"] for r in answered}
     todo = [] if args.build_only else [r for r in picked if r["id"] not in done]
     setup_torch(args)
@@ -141,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ddspec: {len(picked)} prompts picked, {len(done)} answered already, {len(todo)} to answer",
           file=sys.stderr)
     start = time.perf_counter()
-    engine = Engine(target, make_drafter("lookup", target, None)) if todo else None
+    engine = Engine(target, make_drafter("lookup", target, None), sampling) if todo else None
     stop = StopConfig(max_new_tokens=args.max_new_tokens)
     tokens = 0
     with tqdm(total=len(picked), initial=len(picked) - len(todo), desc="answers", unit="prompt",
@@ -154,18 +175,25 @@ def run(args: argparse.Namespace) -> int:
                     out_ids = engine.generate(x, stop).token_ids
                     tokens += len(out_ids)
                     answered.append({"id": r["id"], "source": r.get("source"), "prompt_ids": x, "output_ids": out_ids})
+                    if args.temperature:
+                        answered[-1].update(temperature=args.temperature, seed=args.sample_seed)
                     lines.append(json.dumps(answered[-1]) + "\n")
                 bar.update(1)
             with open(answers, "a") as f:  # whole chunks: a rerun resumes after the last one
                 f.write("".join(lines))
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tokens/s")
     wanted = {r["id"] for r in picked}  # answers of prompts past --max-prompts (an earlier, longer run) stay out
-    sequences = [r["output_ids"] for r in answered if r["id"] in wanted]
+    sequences = [r["output_ids"] for r in answered if r["id"] in wanted] + also
     if not sequences:
         raise DdspecError(f"no answers in {answers}: nothing to build a table from")
     meta = {"target": target.info.name, "vocab_size": target.info.vocab_size, "answers": len(sequences),
             "answer_tokens": sum(map(len, sequences)), "activations": getattr(args, "activations", "fp32"),
             "prompts": Path(args.prompts).name, "max_new_tokens": args.max_new_tokens}
+    if args.temperature:
+        meta.update(temperature=args.temperature, sample_seed=args.sample_seed)
+    if also:
+        meta["also"] = [str(p) for p in args.also]
+        meta["also_answers"] = len(also)
     table = NgramTable.build(sequences, meta, min_count=args.min_count)
     path = out / "ngrams.safetensors"
     table.save(path)
