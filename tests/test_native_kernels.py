@@ -535,7 +535,7 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
             for w in (weight, biased):
                 native.set_wide(kind, [0] * native.WIDE_ROWS)
                 reference = w(x)
-                for g in native.wide_options(tile)[1:]:
+                for g in native.wide_options(tile, kind)[1:]:
                     native.set_wide(kind, [g if r == tile else 0 for r in range(1, native.WIDE_ROWS + 1)])
                     for ahead in (0, 1, 24):
                         native.set_prefetch(ahead)
@@ -555,9 +555,9 @@ def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
     weights.update({f"{k}a8": [w.with_int8_activations() for w in ws] for k, ws in list(weights.items())})
     chosen = native.choose_wide(weights)
     assert set(chosen) == {k for k in weights if native.wide_available(k)}
-    for groups in chosen.values():
+    for kind, groups in chosen.items():
         assert len(groups) == native.WIDE_ROWS
-        assert all(g in native.wide_options(r) for r, g in enumerate(groups, 1))
+        assert all(g in native.wide_options(r, kind) for r, g in enumerate(groups, 1))
     cached = list((tmp_path / "kernels").glob("wide-*.json"))
     if not cached:
         pytest.skip("other programs used the CPU while timing: the choice was not cached")

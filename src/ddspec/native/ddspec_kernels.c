@@ -860,13 +860,15 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
     AWPASS(KIND_ID, KIND, 1, 2) AWPASS(KIND_ID, KIND, 2, 2) AWPASS(KIND_ID, KIND, 3, 2) AWPASS(KIND_ID, KIND, 4, 2) \
     AWPASS(KIND_ID, KIND, 5, 2) AWPASS(KIND_ID, KIND, 6, 2) AWPASS(KIND_ID, KIND, 7, 2) AWPASS(KIND_ID, KIND, 8, 2) \
     AWPASS(KIND_ID, KIND, 1, 3) AWPASS(KIND_ID, KIND, 2, 3) AWPASS(KIND_ID, KIND, 3, 3) AWPASS(KIND_ID, KIND, 4, 3) \
+    AWPASS(KIND_ID, KIND, 5, 3) AWPASS(KIND_ID, KIND, 6, 3) AWPASS(KIND_ID, KIND, 7, 3) AWPASS(KIND_ID, KIND, 8, 3) \
     AWPASS(KIND_ID, KIND, 1, 4) AWPASS(KIND_ID, KIND, 2, 4)                                         \
     static const a8_wide_pass a8_wide_##KIND[4][WIDE_TILE] = {                                      \
         {awpass_##KIND##_1_1, awpass_##KIND##_2_1, awpass_##KIND##_3_1, awpass_##KIND##_4_1,        \
          awpass_##KIND##_5_1, awpass_##KIND##_6_1, awpass_##KIND##_7_1, awpass_##KIND##_8_1},       \
         {awpass_##KIND##_1_2, awpass_##KIND##_2_2, awpass_##KIND##_3_2, awpass_##KIND##_4_2,        \
          awpass_##KIND##_5_2, awpass_##KIND##_6_2, awpass_##KIND##_7_2, awpass_##KIND##_8_2},       \
-        {awpass_##KIND##_1_3, awpass_##KIND##_2_3, awpass_##KIND##_3_3, awpass_##KIND##_4_3},       \
+        {awpass_##KIND##_1_3, awpass_##KIND##_2_3, awpass_##KIND##_3_3, awpass_##KIND##_4_3,        \
+         awpass_##KIND##_5_3, awpass_##KIND##_6_3, awpass_##KIND##_7_3, awpass_##KIND##_8_3},       \
         {awpass_##KIND##_1_4, awpass_##KIND##_2_4}};
 #define A8_WIDE(KIND) a8_wide_##KIND
 #else
@@ -1267,8 +1269,10 @@ int dd_get_prefetch(void) {
  * 0 (the 8-lane passes), 1, 2, 3 (rows <= 4) or 4 (rows <= 2); returns nonzero for a combination
  * without a pass, or when this build has no AVX-512 passes for the kind (then only 0 is taken). */
 int dd_set_wide_groups(int kind, int rows, int groups) {
-    static const int most[5] = {WIDE_TILE, WIDE_TILE, WIDE_TILE, 4, 2};
-    if (kind < 0 || kind > 3 || rows < 1 || rows > WIDE_TILE || groups < 0 || groups > 4 || rows > most[groups]) return 1;
+    /* the most rows a pass of 0 .. 4 groups takes, with fp32 activations and with 8-bit ones (whose
+     * 8 x 3 integer sums fit the 32 registers beside three groups' levels and a broadcast) */
+    static const int most[2][5] = {{WIDE_TILE, WIDE_TILE, WIDE_TILE, 4, 2}, {WIDE_TILE, WIDE_TILE, WIDE_TILE, WIDE_TILE, 2}};
+    if (kind < 0 || kind > 3 || rows < 1 || rows > WIDE_TILE || groups < 0 || groups > 4 || rows > most[kind >= 2][groups]) return 1;
     if (groups && !(kind < 2 ? DD_WIDE : DD_WIDE_A8)) return 1;
     dd_wide_groups[kind][rows - 1] = (int8_t)groups;
     return 0;
