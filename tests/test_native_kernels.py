@@ -368,7 +368,7 @@ def int8_reference(kind: str, weight, x: torch.Tensor) -> torch.Tensor:
 def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
     """--activations int8: the kernels equal the plain definition (float64) to fp32 rounding, stay
     close to the fp32 product (the rounding of x costs about 1%), and a row never depends on the
-    others or on the thread count."""
+    others, on the thread count or on whether the threads share the rounding of the rows."""
     weight, dense = quantised(kind, 40, 96, seed=3)
     fast = weight.with_int8_activations()
     assert fast.kind == kind + "a8" and fast.nbytes == weight.nbytes
@@ -382,11 +382,17 @@ def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
     assert ((y - exact).norm() / exact.norm()).item() <= 3e-2
     for r in range(13):
         assert torch.equal(y[r], fast(x[r:r + 1])[0])
-    torch.set_num_threads(1)
     try:
+        for rows in (0, 1, 14):  # the rows rounded by every thread, or once and shared (13 rows: from 8 on)
+            native.set_share_rows(rows)
+            assert torch.equal(fast(x), y), f"sharing the rounding from {rows} rows"
+        torch.set_num_threads(1)
         assert torch.equal(fast(x), y)
     finally:
         torch.set_num_threads(2)
+        native.set_share_rows(8)
+    with pytest.raises(ValueError, match="share the rounding"):
+        native.set_share_rows(-1)
 
 
 def _quantise_dense(monkeypatch) -> None:

@@ -319,6 +319,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_set_attention.restype = ctypes.c_int
     lib.dd_set_attention_wide.argtypes = [ctypes.c_int]
     lib.dd_set_attention_wide.restype = ctypes.c_int
+    lib.dd_set_share_rows.argtypes = [ctypes.c_int]
+    lib.dd_set_share_rows.restype = ctypes.c_int
     lib.dd_set_prefetch.argtypes = [ctypes.c_int]
     lib.dd_set_prefetch.restype = ctypes.c_int
     lib.dd_get_prefetch.argtypes = []
@@ -673,6 +675,14 @@ def wide_choice() -> dict[str, list[int]]:
 
 
 PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the quantised passes of 3 rows or more may prefetch (0: none)
+
+
+def set_share_rows(rows: int) -> None:
+    """From ``rows`` rows on (0: never) the 8-bit-activation matmuls round their rows once, shared
+    among the threads, instead of once per thread; the same bits either way (default 8)."""
+    lib = library()
+    if lib is None or lib.dd_set_share_rows(int(rows)):
+        raise ValueError(f"cannot share the rounding from {rows} rows (0 or more, with the kernels built)")
 
 
 def set_prefetch(blocks: int) -> None:
