@@ -145,7 +145,33 @@ def test_lookup_chains_are_cut_where_verifying_them_does_not_pay():
     assert steep.chain_length(3, 3) == 3
     lengths = [steep.chain_length(1, 3) for _ in range(steep.chain_explore)]
     assert lengths[:-1] == [0] * (steep.chain_explore - 1) and lengths[-1] == 1  # cut, with a probe now and then
-    # the plain steps' own times replace the calibrated curve where they were measured
+    # the plain steps' own times replace the calibrated curve where they were measured: the curve's
+    # estimate counts as one step, and each step moves the estimate by at most half of it
+    curve = steep.costs.plain_verify(3)
+    assert math.isclose(curve, steep.costs.plain_verify(1) * 20.0 / 10.0)
     steep.costs.observe(3, 0, 0.0, 11.0, 0.0, drafted=False)  # a plain step verifying a 2-token chain: 11 ms
-    assert steep.costs.plain_verify(3) == 11.0
+    assert 11.0 < steep.costs.plain_verify(3) < curve
+    for _ in range(40):
+        steep.costs.observe(3, 0, 0.0, 11.0, 0.0, drafted=False)
+    assert math.isclose(steep.costs.plain_verify(3), 11.0, rel_tol=1e-2)
     assert math.isclose(steep.costs.plain_verify(2), steep.costs.plain_verify(1) * 15.0 / 10.0)
+
+
+def test_one_slow_step_does_not_price_a_chain_size_out():
+    """A single slow step at a chain size met rarely (another program's burst) used to become that
+    size's cost outright, and a size believed that dear was never verified again, so never corrected.
+    Now a step moves the estimate by at most half of it, a lasting change still gets through, and a
+    remembered cost far above the curve's is learnt again."""
+    steep = policy(linear_cost(10.0, 5.0))
+    curve = steep.costs.plain_verify(7)
+    steep.costs.observe(7, 0, 0.0, 10 * curve, 0.0, drafted=False)
+    assert steep.costs.plain_verify(7) <= curve * (1 + steep.costs.chain_step_limit)
+    for _ in range(30):  # the machine really got slower: the estimate follows
+        steep.costs.observe(7, 0, 0.0, 1.5 * curve, 0.0, drafted=False)
+    assert math.isclose(steep.costs.plain_verify(7), 1.5 * curve, rel_tol=1e-2)
+    remembered = steep.costs.snapshot()
+    remembered["chain_ms"]["6"] = [3 * steep.costs.plain_verify(6), 5.0]  # a poisoned memory
+    again = policy(linear_cost(10.0, 5.0))
+    again.costs.restore(remembered)
+    assert 6 not in again.costs.chain_ms and 7 in again.costs.chain_ms  # over 2x the curve's cost: dropped
+    assert again.costs.plain_verify(6) == again.costs.curve_verify(6)

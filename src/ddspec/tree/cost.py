@@ -216,13 +216,29 @@ class LearnedCosts:
     def plain_verify(self, n: int) -> float:
         """ms of a plain step's verify phase with ``n`` nodes (the root and a lookup chain of n - 1):
         observed at that size, else the plain step's estimate times the calibrated curve's
-        T(n) / T(1)."""
+        T(n) / T(1) (:meth:`curve_verify`)."""
         if n <= 1:
             return self.plain_estimate()
         if n in self.chain_ms:
             return self.chain_ms[n][0]
+        return self.curve_verify(n)
+
+    def curve_verify(self, n: int) -> float:
+        """The plain step's estimate times the calibrated curve's T(n) / T(1)."""
         v = self.base.verify_list(n)
         return self.plain_estimate() * v[n - 1] / v[0]
+
+    # a chain size's learned cost starts from the curve's (counted as one step), and one step moves it
+    # by at most half of the estimate: a single slow step (this VM's neighbours) at a size rarely met
+    # used to set its cost outright, e.g. 27 ms for 7 nodes that take 8.7, and a size believed that
+    # dear is never verified again, so never corrected (Intel Xeon family 6 model 207, int8)
+    chain_step_limit = 0.5
+    chain_restore_limit = 2.0  # a remembered chain cost over this many times the curve's is learnt again
+
+    def _observe_chain(self, n: int, verify_ms: float) -> None:
+        mean, seen = self.chain_ms.get(n, (self.curve_verify(n), 1.0))
+        step = self.chain_step_limit * mean
+        self.chain_ms[n] = self._mean(mean, seen, min(max(verify_ms, mean - step), mean + step))
 
     def drift(self, min_seen: float = 1.0) -> float:
         """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed at
@@ -274,7 +290,7 @@ class LearnedCosts:
             if tree_size == 1:  # a plain step that verified a free (lookup) chain costs more: not this
                 self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
             else:
-                self.chain_ms[tree_size] = self._mean(*self.chain_ms.get(tree_size, (verify_ms, 0.0)), verify_ms)
+                self._observe_chain(tree_size, verify_ms)
             self._current = None
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
@@ -308,8 +324,9 @@ class LearnedCosts:
         for k in self._SNAPSHOT:
             v = data[k]
             setattr(self, k, [float(x) for x in v] if isinstance(v, list) else float(v))
-        self.chain_ms = {int(n): (float(m), float(c)) for n, (m, c) in data.get("chain_ms", {}).items()}
         self._current = None
+        chains = {int(n): (float(m), float(c)) for n, (m, c) in data.get("chain_ms", {}).items()}
+        self.chain_ms = {n: v for n, v in chains.items() if v[0] <= self.chain_restore_limit * self.curve_verify(n)}
 
     @property
     def current(self) -> CostModel:
