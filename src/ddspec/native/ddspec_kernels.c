@@ -732,12 +732,6 @@ typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const f
 typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
                              const int32_t *sq, float *y, int64_t ldy, int accumulate);
 
-/* y (+)= x @ W^T for an 8-bit-activation kind inside a parallel region: every thread rounds
- * the rows itself (no sharing, no barrier), and for Q4_1 takes their block sums (the minimums'
- * term), then the groups are shared, each against balanced tiles of at most `tile` rows
- * (7 = 4 + 3), passes[rows - 1] running a tile. With `wide` (the 16-lane passes by groups and
- * rows) and a nonzero dd_wide_groups entry for n rows, each thread's groups (thread_groups) G at a
- * time against tiles of at most WIDE_TILE rows instead. */
 /* a8_gemm's buffers: the rounded rows qx, their scales dx and block sums sx (one allocation), and
  * with with_sq the block sums of qx */
 static void a8_alloc(int64_t n, int64_t in, int with_sq, int8_t **qx, float **dx, int32_t **sq) {
@@ -763,6 +757,13 @@ static void a8_free(int shared, int8_t *qx, float *dx, int32_t *sq) {
     free(dx);
 }
 
+/* y (+)= x @ W^T for an 8-bit-activation kind inside a parallel region: every thread rounds
+ * the rows itself (no sharing, no barrier), or from dd_share_rows rows on the threads round them
+ * between them into one shared copy, and for Q4_1 take their block sums (the minimums' term);
+ * then the groups are shared, each against balanced tiles of at most `tile` rows (7 = 4 + 3),
+ * passes[rows - 1] running a tile. With `wide` (the 16-lane passes by groups and
+ * rows) and a nonzero dd_wide_groups entry for n rows, each thread's groups (thread_groups) G at a
+ * time against tiles of at most WIDE_TILE rows instead. */
 static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
                     const a8_pass *passes, int64_t tile, const a8_wide_pass (*wide)[WIDE_TILE]) {
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
