@@ -691,6 +691,37 @@ def test_a_burst_in_one_sweep_does_not_pick_the_passes(monkeypatch):
         native.set_wide("q4_1", before["q4_1"])
 
 
+@pytest.mark.skipif(not native.wide_available("q4_1"), reason="these kernels were built without the AVX-512 passes")
+def test_a_screening_sweep_leaves_only_the_close_options_to_time(monkeypatch):
+    """With screen > 0 a first, short sweep drops the options slower than its fastest by more than
+    the margin (here 50%: sleeps jitter): the later sweeps never run them (here they would have been
+    the fastest there), and the choice among the kept ones is the later sweeps' (not the
+    screening's)."""
+    monkeypatch.setattr(native, "_forward_tuned", {})
+    before = native.wide_choice()
+    state = {"sweep": 0, "last": 0}
+    later = set()  # (rows, option) run after the screening sweep
+
+    def run(rows: int) -> None:
+        if rows < state["last"]:
+            state["sweep"] += 1
+        state["last"] = rows
+        options = native.wide_options(rows)
+        g = native.wide_choice()["q4_1"][rows - 1]
+        if state["sweep"] == 0:  # screening: the last two options fast, the others far behind
+            time.sleep(0.002 if g in options[-2:] else 0.008)
+        else:
+            later.add((rows, g))
+            time.sleep(0.002 if g != options[-1] else 0.005)  # the second last is the fastest now
+
+    try:
+        chosen = native.measure_wide_on(run, ["q4_1"], reps=3, rounds=1, screen=3, margin=0.5)["q4_1"]
+        assert chosen == [native.wide_options(r)[-2] for r in range(1, native.WIDE_ROWS + 1)]
+        assert later == {(r, g) for r in range(1, native.WIDE_ROWS + 1) for g in native.wide_options(r)[-2:]}
+    finally:
+        native.set_wide("q4_1", before["q4_1"])
+
+
 def test_the_int8_model_keeps_fp16_keys_and_values_rounded_once(tiny_dirs, monkeypatch):
     """--activations int8: the cache holds fp16 (half the bytes its attention reads); each key and
     value is the fp32 one the forward computes, rounded to the nearest fp16 (the first layer's of a

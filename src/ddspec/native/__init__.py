@@ -737,19 +737,24 @@ def measure_wide(weights: list[NativeWeight], reps: int = 9) -> list[int]:
 _forward_tuned: dict[str, list[int]] = {}
 
 
-def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: int = 1) -> dict[str, list[int]]:
+def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: int = 1, screen: int = 0,
+                    margin: float = 0.06) -> dict[str, list[int]]:
     """For each tile size 1..WIDE_ROWS and each of ``kinds`` in turn (the others as chosen so far),
     the groups per pass (of :func:`wide_options`) under which ``run(rows)`` (a whole forward over that
     many rows, say) takes the smallest median (:func:`~ddspec.machine.interleaved_medians`, ``setup(rows)``
     untimed before each call). With ``rounds`` > 1 the whole sweep runs that many times and each
     option keeps its smallest median over the rounds: a burst of other work that slowed one option's
-    timings in one sweep does not decide the choice. Starts from the choice in use and leaves the
-    result set."""
+    timings in one sweep does not decide the choice. With ``screen`` > 0 a first, shorter sweep
+    (``screen`` timings of each option) keeps only the options within ``margin`` of its fastest
+    for the ``rounds`` sweeps: most options lose by 10-60%, and timing them as long as the close
+    ones only made the first run slow. Starts from the choice in use and leaves the result set."""
     from ddspec.machine import interleaved_medians
 
     chosen = {kind: list(wide_choice()[kind]) for kind in kinds}
+    options = {(kind, rows): list(wide_options(rows, kind)) for kind in kinds for rows in range(1, WIDE_ROWS + 1)}
     seen: dict[tuple[str, int], dict[int, float]] = {}  # (kind, rows) -> option -> smallest median so far
-    for _ in range(rounds):
+
+    def sweep(reps: int, screening: bool) -> None:
         for rows in range(1, WIDE_ROWS + 1):
             for kind in kinds:
                 def put(g: int, kind=kind, rows=rows) -> None:
@@ -759,17 +764,32 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
                     if setup is not None:
                         setup(rows)
 
-                medians = interleaved_medians(wide_options(rows, kind), lambda _, rows=rows: run(rows), reps, setup=put)
-                best = seen.setdefault((kind, rows), {})
-                for g, m in medians.items():
-                    best[g] = min(m, best.get(g, m))
+                left = options[kind, rows]
+                if len(left) == 1:
+                    chosen[kind][rows - 1] = left[0]
+                    set_wide(kind, chosen[kind])
+                    continue
+                medians = interleaved_medians(left, lambda _, rows=rows: run(rows), reps, setup=put)
+                if screening:
+                    fastest = min(medians.values())
+                    options[kind, rows] = [g for g in left if medians[g] <= fastest * (1 + margin)]
+                    best = medians
+                else:
+                    best = seen.setdefault((kind, rows), {})
+                    for g, m in medians.items():
+                        best[g] = min(m, best.get(g, m))
                 chosen[kind][rows - 1] = min(best, key=best.get)
                 set_wide(kind, chosen[kind])
+
+    if screen > 0:
+        sweep(screen, True)
+    for _ in range(rounds):
+        sweep(reps, False)
     return chosen
 
 
-def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: int = 11,
-                         rounds: int = 2) -> dict[str, list[int]]:
+def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: int = 5,
+                         rounds: int = 2, screen: int = 4) -> dict[str, list[int]]:
     """The AVX-512 passes' groups per pass for ``kinds`` (those a model's forward multiplies with),
     chosen on that forward itself: ``run(rows)`` runs it over that many new tokens
     (:func:`measure_wide_on`). :func:`choose_wide` times each kind's matmuls alone, one call per
@@ -779,9 +799,15 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
     and 3.11 ms with four groups per pass. The sweep runs ``rounds`` times (each option's smallest
     median counts): one sweep on that CPU had kept the 8-lane passes for two rows of Q8_0_A8 (the
     lm_head), with which the two-token forward took 4.31 ms against 3.97 ms with four groups; a
-    noisy neighbour's burst must not pick the speed of every later run. Cached per CPU, kernel build, thread count and ``model``
-    (a dict naming its shapes), like :func:`choose_wide` (:func:`_cached_choice`); sets the
-    choice either way. Returns {} where the build has no AVX-512 passes for these kinds."""
+    noisy neighbour's burst must not pick the speed of every later run. A screening sweep first
+    (``screen`` timings of each option) leaves only the options within 6% of its fastest to those
+    two: on an Intel Xeon (family 6, model 207) the fp32 model's choice then took 9 s instead of
+    21-23 s and the int8 model's 5-6 s instead of 9-11 s of a new user's first run, and the
+    forwards over 1-8 tokens ran as fast with either procedure's choices (the sums of their
+    medians, two choices of each, timed interleaved: 105.0 and 106.1 ms against 106.2 and 105.7;
+    int8 51.8 and 51.3 against 51.8 and 50.7). Cached per CPU, kernel build, thread count and
+    ``model`` (a dict naming its shapes), like :func:`choose_wide` (:func:`_cached_choice`);
+    sets the choice either way. Returns {} where the build has no AVX-512 passes for these kinds."""
     from ddspec.machine import cpu_name
 
     kinds = sorted(k for k in kinds if k in WIDE_KINDS and wide_available(k))
@@ -790,7 +816,7 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
 
     def measure() -> dict:
         print("ddspec: timing the kernel passes on this model's forward (once, cached)", file=sys.stderr)
-        return {"groups": measure_wide_on(run, kinds, reps, setup, rounds)}
+        return {"groups": measure_wide_on(run, kinds, reps, setup, rounds, screen)}
 
     def apply(data: dict) -> None:
         for kind in kinds:
@@ -798,7 +824,7 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
             _forward_tuned[kind] = list(data["groups"][kind])
 
     key = {"format": 2, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
-           "model": model, "kinds": kinds, "rounds": rounds}
+           "model": model, "kinds": kinds, "rounds": rounds, "reps": reps, "screen": screen}
     return _cached_choice("wide-forward", key, measure, apply)["groups"]
 
 
