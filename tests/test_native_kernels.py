@@ -5,6 +5,7 @@ layer's maths, and every method stays lossless with them."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -223,6 +224,26 @@ def test_the_kernels_build_in_the_background_and_land_in_place(tmp_path, monkeyp
     assert sorted(p.name for p in folder.iterdir()) == sorted([native._library_path().name, recent.name])
     native.start_build()  # built: nothing to start
     assert native._pending is None
+
+
+def test_kernels_built_into_the_environment_serve_every_cache(tmp_path, monkeypatch, capsys):
+    """prebuild() (``make setup`` runs it beside pip) compiles the kernels into <sys.prefix>/share/
+    ddspec/native; a process with an empty cache then loads them without starting a build, and a
+    second prebuild() has nothing to do. (The fake compiler copies this session's library.)"""
+    built = native._library_path() if native._library_path().is_file() else native._installed_path()
+    fake = tmp_path / "fake-cc"
+    fake.write_text(f'#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncp "{built}" "$2"\n')
+    fake.chmod(0o755)
+    _fresh_native(monkeypatch, tmp_path, str(fake))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "env"))
+    where = native.prebuild()
+    assert where == tmp_path / "env" / "share" / "ddspec" / "native" / native._library_path().name
+    assert where.is_file() and "compiled in" in capsys.readouterr().err
+    fake.write_text("#!/bin/sh\nexit 1\n")  # any compiler run from here on fails
+    assert native.prebuild() == where
+    native.start_build()
+    assert native._pending is None  # nothing to build
+    assert native.library() is not None and not (tmp_path / "cache" / "native").exists()
 
 
 def test_a_failing_compiler_is_reported_and_torch_kernels_are_used(tmp_path, monkeypatch, capsys):

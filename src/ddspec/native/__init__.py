@@ -8,7 +8,8 @@ the same results, other instructions. The build (plain C, no torch headers, -O3;
 parallel and linked: about 15 s on two cores, 20 s of one core as a single unit) is
 cached per source, compiler and flags in ``<cache root>/native/``, and :func:`start_build`
 runs it in the background while a model loads; it links the OpenMP runtime
-torch already loaded (libgomp), so both share one thread pool.
+torch already loaded (libgomp), so both share one thread pool. ``make setup`` builds it beforehand
+into the Python environment (:func:`prebuild`, ``python -m ddspec.native``), where every cache finds it.
 
 :class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 /
 bf16 when those hold it exactly), or the GGUF
@@ -192,8 +193,8 @@ class _Build:
             self.procs.append(subprocess.Popen([compiler, *build_flags(), f"-DDD_PARTS={mask}", "-c", str(SOURCE), "-o", obj],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
 
-    def wait(self) -> None:
-        if any(p.poll() is None for p in self.procs):
+    def wait(self, announce: bool = True) -> None:
+        if announce and any(p.poll() is None for p in self.procs):
             print(f"ddspec: waiting for the kernel build to finish (started {time.monotonic() - self.started:.0f} s ago)",
                   file=sys.stderr)
         try:
@@ -248,6 +249,43 @@ def _library_path() -> Path:
     return cache_root() / "native" / f"ddspec_kernels-{build_id()}.so"
 
 
+def _installed_path() -> Path:
+    """Where :func:`prebuild` puts the kernels: beside the Python environment (``<sys.prefix>/share/
+    ddspec/native``, e.g. the repository's .venv), which outlives any cache."""
+    return Path(sys.prefix) / "share" / "ddspec" / "native" / f"ddspec_kernels-{build_id()}.so"
+
+
+def _built_path() -> Path | None:
+    """The kernels already built for this source, compiler and flags: in the cache, else those
+    :func:`prebuild` installed; None when neither is there."""
+    return next((p for p in (_library_path(), _installed_path()) if p.is_file()), None)
+
+
+def prebuild() -> Path | None:
+    """Compile the kernels into the Python environment (:func:`_installed_path`) now, unless they are
+    there already (or in the cache: then copied) or cannot be used here; returns where they are
+    (None when they cannot be had). ``make setup`` runs this beside pip (``python -m ddspec.native``), so
+    that a first ``ddspec`` command, on any cache, does not wait for the compiler."""
+    why = _enabled()
+    if why is not None:
+        print(f"ddspec: no CPU kernels to build: {why}", file=sys.stderr)
+        return None
+    out = _installed_path()
+    if out.is_file():
+        return out
+    if _library_path().is_file():  # built into the cache by an earlier command: copy it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".so.tmp")
+        shutil.copyfile(_library_path(), tmp)
+        os.replace(tmp, out)
+        return out
+    started = time.monotonic()
+    print(f"ddspec: compiling ddspec's CPU kernels into {out.parent} (once, about 20 s on two cores)", file=sys.stderr)
+    _Build(out).wait(announce=False)
+    print(f"ddspec: compiled in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    return out
+
+
 def start_build() -> None:
     """Start compiling the kernels in the background when they are not built yet (no-op
     otherwise, and when they cannot be used here); :func:`library` finishes the job."""
@@ -255,7 +293,7 @@ def start_build() -> None:
     if _lib is not None or _why_not is not None or _pending is not None or _enabled() is not None:
         return
     path = _library_path()
-    if path.is_file():
+    if _built_path() is not None:
         return
     print("ddspec: compiling ddspec's CPU kernels in the background (once, about 15 s on two cores)",
           file=sys.stderr)
@@ -281,7 +319,7 @@ def library() -> ctypes.CDLL | None:
     _why_not = _enabled()
     if _why_not is not None:
         return None
-    path = _library_path()
+    path = _built_path() or _library_path()
     try:
         if not path.is_file():
             build, _pending = _pending, None
