@@ -13,7 +13,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 # torch first: the C kernels' build (python -m ddspec.native, from the source tree) needs only torch,
 # and runs beside the other installs; if it fails, the first ddspec command builds them instead
-$(STAMP): pyproject.toml requirements-cpu.txt
+$(STAMP): pyproject.toml requirements-cpu.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements-cpu.txt)"
