@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -23,3 +24,14 @@ def write_json_atomic(path: Path, obj, indent: int = 1) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+
+
+def place_file(src: Path, dst: Path) -> None:
+    """``src`` at ``dst``: a hard link (same file system), else a copy; through a temp name."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

@@ -263,21 +263,21 @@ def _built_path() -> Path | None:
 
 def prebuild() -> Path | None:
     """Compile the kernels into the Python environment (:func:`_installed_path`) now, unless they are
-    there already (or in the cache: then copied) or cannot be used here; returns where they are
+    there already (or in the cache: then linked or copied) or cannot be used here; returns where they are
     (None when they cannot be had). ``make setup`` runs this beside pip (``python -m ddspec.native``), so
     that a first ``ddspec`` command, on any cache, does not wait for the compiler."""
     why = _enabled()
     if why is not None:
         print(f"ddspec: no CPU kernels to build: {why}", file=sys.stderr)
         return None
-    out = _installed_path()
+    out, cached = _installed_path(), _library_path()
     if out.is_file():
         return out
-    if _library_path().is_file():  # built into the cache by an earlier command: copy it
+    if cached.is_file():  # built into the cache by an earlier command: link or copy it
+        from ddspec.fileio import place_file
+
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".so.tmp")
-        shutil.copyfile(_library_path(), tmp)
-        os.replace(tmp, out)
+        place_file(cached, out)
         return out
     started = time.monotonic()
     print(f"ddspec: compiling ddspec's CPU kernels into {out.parent} (once, about 20 s on two cores)", file=sys.stderr)

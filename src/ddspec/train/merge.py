@@ -16,28 +16,15 @@ merge leaves RUN consistent and a rerun finishes it.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from ddspec.errors import DdspecError
-from ddspec.fileio import write_json_atomic
+from ddspec.fileio import place_file, write_json_atomic
 from ddspec.train.layers import layer_state
 
 
 def _read(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _place(src: Path, dst: Path) -> None:
-    """``src`` at ``dst``: a hard link (same file system), else a copy; through a temp name."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 def merge_data(dst: Path, src: Path, log=print) -> dict:
@@ -82,9 +69,9 @@ def merge_data(dst: Path, src: Path, log=print) -> dict:
             added["skipped"] += 1
             continue
         new = f"{len(mine['shards']):05d}"
-        _place(src / f"shard-{key}.pt", dst / f"shard-{new}.pt")
+        place_file(src / f"shard-{key}.pt", dst / f"shard-{new}.pt")
         if layers and key in their_layers["shards"]:
-            _place(src / f"layers-{key}.pt", dst / f"layers-{new}.pt")
+            place_file(src / f"layers-{key}.pt", dst / f"layers-{new}.pt")
             mine_layers["shards"][new] = dict(their_layers["shards"][key])
             write_json_atomic(dst / "layers.json", mine_layers)
         mine["shards"][new] = dict(e, merged_from=origin)
