@@ -474,7 +474,9 @@ def test_int8_activations_are_refused_where_they_cannot_run(tiny_dirs, monkeypat
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
-def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs, activations, monkeypatch):
+@pytest.mark.parametrize("prefix_len", [13, 45])  # 45: rows of 46-49 keys, past the softmax's 16-lane steps
+def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs, activations, prefix_len,
+                                                                       monkeypatch):
     """The fused layers' attention sums a row's visible keys in the same lanes whatever the other
     rows, the tree's shape or the masked keys: each node's features equal, bit for bit, those of
     decoding its path one token at a time (what keeps 8-bit activations, which would turn an ulp
@@ -484,7 +486,7 @@ def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs
     _quantise_dense(monkeypatch)
     target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
     gen = torch.Generator().manual_seed(11)
-    prefix = torch.randint(0, 128, (13,), generator=gen)
+    prefix = torch.randint(0, 128, (prefix_len,), generator=gen)
     # root 0; children 1, 2; 3 under 1; 4 under 2; 5 under 3
     parents = [-1, 0, 0, 1, 2, 3]
     tokens = torch.randint(0, 128, (len(parents),), generator=gen)
@@ -495,14 +497,14 @@ def test_a_tree_node_gets_bit_for_bit_what_its_path_gets_decoded_alone(tiny_dirs
         if p >= 0:
             mask[i] |= mask[p]
             depth[i] = depth[p] + 1
-    target.reset(40)
-    target.forward(prefix, torch.arange(13))
-    tree = target.forward(tokens, 13 + torch.tensor(depth), mask).features
+    target.reset(prefix_len + 27)
+    target.forward(prefix, torch.arange(prefix_len))
+    tree = target.forward(tokens, prefix_len + torch.tensor(depth), mask).features
     for node in range(len(parents)):
         path = [i for i in range(len(parents)) if mask[node, i]]
-        target.truncate(13)
+        target.truncate(prefix_len)
         for step, i in enumerate(path):
-            out = target.forward(tokens[i:i + 1], torch.tensor([13 + step]))
+            out = target.forward(tokens[i:i + 1], torch.tensor([prefix_len + step]))
         assert torch.equal(out.features[0], tree[node]), f"node {node} (path {path})"
 
 

@@ -489,6 +489,15 @@ def _reciprocal(d: torch.Tensor) -> torch.Tensor:
 GROUP = 16
 
 
+def _half(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A block format's fp32 scales or minimums as fp16, the kernels' layout: GGUF stores them in
+    fp16 (and NativeWeight.q4_1 / q8_0 round them so), so this keeps every value."""
+    half = t.to(torch.float16)
+    if not torch.equal(half.float(), t.float()):
+        raise ValueError(f"block {what} that fp16 cannot hold exactly: the kernels keep them in fp16, as GGUF does")
+    return half
+
+
 def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
     """Row layout -> the kernels' group layout (outputs padded to a multiple of 16 with zeros)."""
     groups = -(-out // GROUP)
@@ -508,21 +517,21 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
         q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16]
         q = q.reshape(groups, nb, 8, 4, GROUP)  # [G, block, quad, j, output]
         levels = (q[..., :8] | (q[..., 8:] << 4)).permute(0, 1, 2, 4, 3).reshape(groups, nb, 256)
-        head = [grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))]
+        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]
     elif kind == "q4_1":
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
         q = grouped(q)  # [G, in, 16] values 0..15
         levels = (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)  # byte j: output j (low), j + 8 (high)
-        head = [grouped(d.float().reshape(out, nb)), grouped(m.float().reshape(out, nb))]  # [G, nb, 16] each
+        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]  # [G, nb, 16]
     elif kind == "q8_0a8":  # per quad of 4 inputs: outputs 0-7 then 8-15, byte 4o + j = q(o, 4i + j)
         q = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8)  # [G, in, 16]
         q = q.reshape(groups, nb, 8, 4, 2, 8)  # [G, block, quad, j, half, output]
         levels = q.permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 512)
-        head = [grouped(d.float().reshape(out, nb))]
+        head = [grouped(_half(d, "scales").reshape(out, nb))]
     else:
         levels = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8).reshape(groups, nb, 512)
-        head = [grouped(d.float().reshape(out, nb))]
-    # one contiguous block per (group, 32 inputs): scales (and minimums), then the levels
+        head = [grouped(_half(d, "scales").reshape(out, nb))]
+    # one contiguous block per (group, 32 inputs): fp16 scales (and minimums), then the levels
     blocks = torch.cat([h.contiguous().view(torch.uint8) for h in head] + [levels], dim=-1).contiguous()
     return None, blocks, None, None
 

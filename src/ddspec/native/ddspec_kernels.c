@@ -37,10 +37,11 @@ enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8
  *   DD_F32:  w  [G, in, 16] floats
  *   DD_F16, DD_BF16: w [G, in, 16] halves / bfloat16s (used only when they hold the fp32
  *            weights exactly, e.g. a head shipped in fp16: half the bytes, the same values)
- *   DD_Q4_1: qs [G, in/32, 384] bytes: for each group and block of 32 inputs, the 16 outputs'
- *            scales d and minimums m (fp32), then 32 x 8 bytes of levels, byte j of input k =
+ *   DD_Q4_1: qs [G, in/32, 320] bytes: for each group and block of 32 inputs, the 16 outputs'
+ *            scales d and minimums m (fp16, as in the GGUF file; widened to fp32 exactly where
+ *            they are used), then 32 x 8 bytes of levels, byte j of input k =
  *            q(output j) | q(output j + 8) << 4: one stream of memory per group
- *   DD_Q8_0: qs [G, in/32, 576] bytes: 16 scales d (fp32), then 32 x 16 int8 levels
+ *   DD_Q8_0: qs [G, in/32, 544] bytes: 16 scales d (fp16), then 32 x 16 int8 levels
  *   DD_Q4_1_A8, DD_Q8_0_A8: the same blocks with the levels in another order, multiplied with
  *            activations rounded to 8 bits (integer sums; see DD_Q4_1_A8 and DD_Q8_0_A8 below)
  * The kernel broadcasts x[r, k] and accumulates one FMA per k into each output's lane, in
@@ -144,16 +145,30 @@ static inline __attribute__((always_inline)) void weights_at(const dd_weight *W,
  * instructions per weight of rebuilding each w, rounding that differs from the fp32 matmul by
  * about an ulp per block, and still arithmetic per output that depends neither on the other
  * rows nor on the threads. A one-hot row reads back gguf-py's fl(fl(d*q) + m) / fl(q*d) exactly. */
-#define BLOCK_BYTES(KIND) ((KIND) == DD_Q4_1 ? 384 : 576) /* one group's block of 32 inputs, see dd_weight */
+#define BLOCK_BYTES(KIND) ((KIND) == DD_Q4_1 ? 320 : 544) /* one group's block of 32 inputs, see dd_weight */
+
+/* A block's 16 scales (at its start) or minimums (32 bytes on, Q4_1): fp16, as in the GGUF file,
+ * which holds every one of them exactly, so the fp32 values the kernels compute with are the same
+ * as when the blocks stored them in fp32 (384 / 576 bytes a block until 2026-12-05): the same bits
+ * with a sixth (Q4_1) or an eighteenth (Q8_0) fewer bytes to stream per token. half8: outputs
+ * 0-7 of them (p = the block, or + 16 for outputs 8-15); half16: all 16. */
+static inline __attribute__((always_inline)) __m256 half8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 half16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#endif
 
 static inline __attribute__((always_inline)) void levels_at(int64_t kind, const uint8_t *blk, int64_t kk,
                                                             __m256 *q0, __m256 *q1) {
     if (kind == DD_Q4_1) { /* byte j: output j in the low nibble, output j + 8 in the high one */
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 128 + kk * 8)));
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 64 + kk * 8)));
         *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
         *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
     } else {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16));
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 32 + kk * 16));
         *q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
         *q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
     }
@@ -173,13 +188,12 @@ static void block_sums(const float *x, int64_t n, int64_t in, float *sx) {
 /* The end of a block for one row: t (+)= d * s (+ m * sx), two vectors of 8 outputs. */
 static inline __attribute__((always_inline)) void block_end(int64_t kind, const uint8_t *blk, float sxv,
                                                             __m256 s0, __m256 s1, __m256 *t0, __m256 *t1) {
-    const float *d = (const float *)blk;
-    *t0 = _mm256_fmadd_ps(_mm256_load_ps(d), s0, *t0);
-    *t1 = _mm256_fmadd_ps(_mm256_load_ps(d + 8), s1, *t1);
+    *t0 = _mm256_fmadd_ps(half8(blk), s0, *t0);
+    *t1 = _mm256_fmadd_ps(half8(blk + 16), s1, *t1);
     if (kind == DD_Q4_1) {
         const __m256 sx = _mm256_set1_ps(sxv);
-        *t0 = _mm256_fmadd_ps(_mm256_load_ps(d + 16), sx, *t0);
-        *t1 = _mm256_fmadd_ps(_mm256_load_ps(d + 24), sx, *t1);
+        *t0 = _mm256_fmadd_ps(half8(blk + 32), sx, *t0);
+        *t1 = _mm256_fmadd_ps(half8(blk + 48), sx, *t1);
     }
 }
 
@@ -482,11 +496,11 @@ static inline int64_t wide_groups(int64_t kind, int64_t n) {
 #if DD_WIDE && (DD_HAS(1) || DD_HAS(2))
 static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const uint8_t *blk, int64_t kk) {
     if (kind == DD_Q4_1) { /* bytes 0-7: outputs 0-7 (low nibbles), then 8-15 (high nibbles) */
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 128 + kk * 8));
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 64 + kk * 8));
         const __m128i q = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
     }
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 64 + kk * 16))));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + kk * 16))));
 }
 
 typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t ldx, const float *sx,
@@ -514,12 +528,16 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
                         s[r * G + j] = _mm512_fmadd_ps(xv, q[j], s[r * G + j]);                      \
                 }                                                                                   \
             }                                                                                       \
+            __m512 dv[G], mv[G];                                                                    \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                                   \
+                dv[j] = half16(blk + j * next);                                                     \
+                mv[j] = KIND_ID == DD_Q4_1 ? half16(blk + j * next + 32) : dv[j];                   \
+            }                                                                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
                 _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                               \
-                    const float *d = (const float *)(blk + j * next);                               \
                     float *t = tot + (r * G + j) * 16;                                              \
-                    __m512 tv = _mm512_fmadd_ps(_mm512_loadu_ps(d), s[r * G + j], _mm512_load_ps(t)); \
-                    if (KIND_ID == DD_Q4_1) tv = _mm512_fmadd_ps(_mm512_loadu_ps(d + 16), _mm512_set1_ps(sx[r * nb + b]), tv); \
+                    __m512 tv = _mm512_fmadd_ps(dv[j], s[r * G + j], _mm512_load_ps(t));            \
+                    if (KIND_ID == DD_Q4_1) tv = _mm512_fmadd_ps(mv[j], _mm512_set1_ps(sx[r * nb + b]), tv); \
                     _mm512_store_ps(t, tv);                                                         \
                 }                                                                                   \
             }                                                                                       \
@@ -703,13 +721,12 @@ static void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, 
 /* The end of a block for one row: t += (d * dx) * sum + m * sx, 16 outputs. */
 static inline __attribute__((always_inline)) void a8_block_end(const uint8_t *blk, float dxv, float sxv,
                                                                __m256i s0, __m256i s1, float *t) {
-    const float *dm = (const float *)blk;
     const __m256 sc = _mm256_set1_ps(dxv), sxb = _mm256_set1_ps(sxv);
     __m256 t0 = _mm256_load_ps(t), t1 = _mm256_load_ps(t + 8);
-    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s0)), _mm256_mul_ps(_mm256_load_ps(dm), sc), t0);
-    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s1)), _mm256_mul_ps(_mm256_load_ps(dm + 8), sc), t1);
-    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_load_ps(dm + 16), sxb, t0));
-    _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_load_ps(dm + 24), sxb, t1));
+    t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s0)), _mm256_mul_ps(half8(blk), sc), t0);
+    t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_widen(s1)), _mm256_mul_ps(half8(blk + 16), sc), t1);
+    _mm256_store_ps(t, _mm256_fmadd_ps(half8(blk + 32), sxb, t0));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(half8(blk + 48), sxb, t1));
 }
 
 static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
@@ -838,13 +855,13 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
  *   DD_Q8_0_A8: the quad's 64 bytes (outputs 0-7, then 8-15) plus 128 (vpdpbusd's unsigned
  *     operand): the sum then holds 128 * (the row's block sum of qx) too, which its running sum
  *     starts without (sq). */
-#define A8_BYTES(KIND_ID) ((KIND_ID) == DD_Q4_1_A8 ? 384 : 576)
+#define A8_BYTES(KIND_ID) ((KIND_ID) == DD_Q4_1_A8 ? 320 : 544)
 static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, const uint8_t *blk, int i) {
     if (kind == DD_Q4_1_A8) {
-        const __m512i L = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * i)));
+        const __m512i L = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i)));
         return _mm512_and_si512(_mm512_srlv_epi64(L, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
     }
-    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 64 + 64 * i)), _mm512_set1_epi8((char)0x80));
+    return _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 32 + 64 * i)), _mm512_set1_epi8((char)0x80));
 }
 
 /* Rows [0, R) against groups [g, g + G): per block R * G integer sums in registers (two per
@@ -880,14 +897,18 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
                         s[i % C][r * G + j] = _mm512_dpbusd_epi32(s[i % C][r * G + j], q[j], xb);   \
                 }                                                                                   \
             }                                                                                       \
+            __m512 dv[G], mv[G];                                                                    \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                                   \
+                dv[j] = half16(blk + j * next);                                                     \
+                mv[j] = KIND_ID == DD_Q4_1_A8 ? half16(blk + j * next + 32) : dv[j];                \
+            }                                                                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
                 const __m512 sc = _mm512_set1_ps(dx[r * nb + b]);                                   \
                 _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                               \
-                    const float *dm = (const float *)(blk + j * next);                              \
                     float *t = tot + (r * G + j) * 16;                                              \
                     const __m512i si = C == 2 ? _mm512_add_epi32(s[0][r * G + j], s[C - 1][r * G + j]) : s[0][r * G + j]; \
-                    __m512 tv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(_mm512_loadu_ps(dm), sc), _mm512_load_ps(t)); \
-                    if (KIND_ID == DD_Q4_1_A8) tv = _mm512_fmadd_ps(_mm512_loadu_ps(dm + 16), _mm512_set1_ps(sx[r * nb + b]), tv); \
+                    __m512 tv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(dv[j], sc), _mm512_load_ps(t)); \
+                    if (KIND_ID == DD_Q4_1_A8) tv = _mm512_fmadd_ps(mv[j], _mm512_set1_ps(sx[r * nb + b]), tv); \
                     _mm512_store_ps(t, tv);                                                         \
                 }                                                                                   \
             }                                                                                       \
@@ -931,7 +952,7 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
  * rows are exact integers until the per-block scaling, which runs in the same order for every
  * row: a row's result is still the same bit for bit alone or inside a tree.
  *
- * Layout per (group, block), 384 bytes: 16 d, 16 m (fp32), then for each quad i of 4 inputs
+ * Layout per (group, block), 320 bytes: 16 d, 16 m (fp16), then for each quad i of 4 inputs
  * (k = 4i .. 4i + 3) 32 bytes, byte 4o + j = q(output o, 4i + j) | q(output o + 8, 4i + j) << 4:
  * one load and three ops rebuild 8 outputs x 4 inputs of levels twice (outputs 0-7, 8-15). */
 
@@ -945,13 +966,13 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
         float tot[R * 16] __attribute__((aligned(32)));                                             \
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            const uint8_t *blk = W->qs + (g * nb + b) * 384;                                        \
-            for (int l = 0; l < 384; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 384 + l, _MM_HINT_T0); \
-            PREFETCH_AHEAD(R, blk, 384);                                                            \
+            const uint8_t *blk = W->qs + (g * nb + b) * 320;                                        \
+            for (int l = 0; l < 320; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 320 + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, 320);                                                            \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
-                const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * i));        \
+                const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i));         \
                 const __m256i lo = _mm256_and_si256(L, low);                                        \
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
@@ -984,7 +1005,7 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
 /* DD_Q8_0_A8: a Q8_0 weight with 8-bit activations (the rounding of DD_Q4_1_A8). vpmaddubsw
  * needs one unsigned operand: it multiplies |q| by the activation carrying q's sign, and the
  * pair sums (at most 2 * 127 * 127 < 2^15) go to 32 bits at once. Layout per (group, block),
- * 576 bytes: 16 d (fp32), then per quad i of 4 inputs 32 bytes for outputs 0-7 (byte 4o + j =
+ * 544 bytes: 16 d (fp16), then per quad i of 4 inputs 32 bytes for outputs 0-7 (byte 4o + j =
  * q(o, 4i + j)) and 32 for outputs 8-15. */
 #define QAPASS(R)                                                                                   \
     static void qapass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,       \
@@ -994,14 +1015,14 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
         __m256 t0[R], t1[R];                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            const uint8_t *blk = W->qs + (g * nb + b) * 576;                                        \
-            for (int l = 0; l < 576; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 576 + l, _MM_HINT_T0); \
-            PREFETCH_AHEAD(R, blk, 576);                                                            \
+            const uint8_t *blk = W->qs + (g * nb + b) * 544;                                        \
+            for (int l = 0; l < 544; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 544 + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, 544);                                                            \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * i));        \
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 96 + 64 * i));        \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 32 + 64 * i));        \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * i));        \
                 const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);                   \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
                     const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
@@ -1010,11 +1031,11 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
                     __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */           \
                 }                                                                                   \
             }                                                                                       \
-            const float *dw = (const float *)blk;                                                   \
+            const __m256 dw0 = half8(blk), dw1 = half8(blk + 16);                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
                 const __m256 sc = _mm256_set1_ps(dx[r * nb + b]);                                   \
-                t0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(_mm256_load_ps(dw), sc), t0[r]); \
-                t1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(_mm256_load_ps(dw + 8), sc), t1[r]); \
+                t0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), _mm256_mul_ps(dw0, sc), t0[r]);  \
+                t1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), _mm256_mul_ps(dw1, sc), t1[r]);  \
             }                                                                                       \
         }                                                                                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
@@ -1180,16 +1201,59 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+#if defined(__AVX512F__)
+/* exp8 on 16 lanes: the same operations lane by lane, so the same values. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 neg_inf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    const __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~neg_inf, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+#endif
+
 static inline float exp1(float x) {
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x))));
 }
 
-/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. */
+/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. The sum of squares runs on four 8-lane
+ * chains (inputs 32k + 8c + l into chain c, lane l, in order of k; an 8-input tail into chain 0,
+ * then one at a time), added (0 + 1) + (2 + 3) and its lanes by hsum8: one order for every row,
+ * whichever path (one token or a tree) and thread runs it. A scalar chain over 576 inputs was
+ * 576 dependent additions per row. */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 32 <= h; i += 32) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+        a0 = _mm256_fmadd_ps(x0, x0, a0);
+        a1 = _mm256_fmadd_ps(x1, x1, a1);
+        a2 = _mm256_fmadd_ps(x2, x2, a2);
+        a3 = _mm256_fmadd_ps(x3, x3, a3);
+    }
+    for (; i + 8 <= h; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(xv, xv, a0);
+    }
+    float ss = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < h; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    for (int64_t i = 0; i < h; i++) out[i] = (x[i] * inv) * w[i];
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= h; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv), _mm256_loadu_ps(w + i)));
+    for (; i < h; i++) out[i] = (x[i] * inv) * w[i];
 }
 
 /* x <- x*cos + rotate_half(x)*sin over one head vector of D values (torch's formula, unfused). */
@@ -1225,13 +1289,20 @@ static float softmax_dense(float *srow, int64_t T) {
     __m256 mx8 = ninf;
     int64_t t = 0;
     for (; t + 8 <= T; t += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(srow + t));
-    float mx = -INFINITY, lanes[8];
-    _mm256_storeu_ps(lanes, mx8);
-    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    float mx = hmax8(mx8);
     for (; t < T; t++) mx = srow[t] > mx ? srow[t] : mx;
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 sum8 = _mm256_setzero_ps();
-    for (t = 0; t + 8 <= T; t += 8) {
+    t = 0;
+#if defined(__AVX512F__)
+    /* 16 at a time, each half added to the 8 lanes' sums in turn: the 8-lane loop's order */
+    for (const __m512 m16 = _mm512_set1_ps(mx); t + 16 <= T; t += 16) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + t), m16));
+        _mm512_storeu_ps(srow + t, p);
+        sum8 = _mm256_add_ps(_mm256_add_ps(sum8, _mm512_castps512_ps256(p)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+    }
+#endif
+    for (; t + 8 <= T; t += 8) {
         const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(srow + t), m8));
         _mm256_storeu_ps(srow + t, p);
         sum8 = _mm256_add_ps(sum8, p);
