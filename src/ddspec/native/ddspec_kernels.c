@@ -1227,33 +1227,16 @@ static inline float exp1(float x) {
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x))));
 }
 
-/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. The sum of squares runs on four 8-lane
- * chains (inputs 32k + 8c + l into chain c, lane l, in order of k; an 8-input tail into chain 0,
- * then one at a time), added (0 + 1) + (2 + 3) and its lanes by hsum8: one order for every row,
- * whichever path (one token or a tree) and thread runs it. A scalar chain over 576 inputs was
- * 576 dependent additions per row. */
+/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. The sum of squares stays one scalar
+ * chain in order of i: four 8-lane chains measured 0.97-0.99x the forward's time over 2-8 tokens
+ * (int8, Intel Xeon family 6 model 207), but another order is another model, whose greedy
+ * answers diverge from these within a few dozen tokens (58 of 60 benchmark answers, 2026-12-05),
+ * and the shipped n-gram table holds exactly this model's answers. */
 static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 32 <= h; i += 32) {
-        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-        const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
-        a0 = _mm256_fmadd_ps(x0, x0, a0);
-        a1 = _mm256_fmadd_ps(x1, x1, a1);
-        a2 = _mm256_fmadd_ps(x2, x2, a2);
-        a3 = _mm256_fmadd_ps(x3, x3, a3);
-    }
-    for (; i + 8 <= h; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        a0 = _mm256_fmadd_ps(xv, xv, a0);
-    }
-    float ss = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < h; i++) ss += x[i] * x[i];
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
     const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    const __m256 iv = _mm256_set1_ps(inv);
-    for (i = 0; i + 8 <= h; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv), _mm256_loadu_ps(w + i)));
-    for (; i < h; i++) out[i] = (x[i] * inv) * w[i];
+    for (int64_t i = 0; i < h; i++) out[i] = (x[i] * inv) * w[i];
 }
 
 /* x <- x*cos + rotate_half(x)*sin over one head vector of D values (torch's formula, unfused). */
