@@ -48,6 +48,21 @@ def test_blocks_rebuild_the_dequantised_weights_exactly(kind):
     assert (weight(x) - x @ dense.t()).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_scales_are_kept_in_fp16_and_one_fp16_cannot_hold_is_refused(kind):
+    """The kernels' blocks hold each block's scales (and Q4_1's minimums) in fp16, as the GGUF does:
+    64 bytes of Q4_1 scales and minimums per 16 outputs and 32 inputs (320 bytes a block in all),
+    32 bytes of Q8_0 scales (544). A scale fp16 would round is refused rather than changed."""
+    weight, dense = quantised(kind, 40, 96)
+    assert weight.packed[1].shape[-1] == (320 if kind == "q4_1" else 544)
+    w, qs, d, m = weight.rows
+    off = d.clone()
+    off[3, 1] = float(d[3, 1]) * (1 + 2 ** -20)  # between two fp16 values
+    bad = native.NativeWeight(kind, weight.out_features, weight.in_features, qs=qs, d=off, m=m)
+    with pytest.raises(ValueError, match="fp16 cannot hold exactly"):
+        bad.packed
+
+
 def test_q4_1_copies_of_a_weight_are_gguf_q4_1_blocks():
     """NativeWeight.q4_1 (a draft head's default drafting weights): its blocks, written out as
     GGUF Q4_1 bytes, dequantise in gguf-py to what the kernel reads back, and they approximate
