@@ -1182,44 +1182,43 @@ int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthread
     return 0;
 }
 
-/* e^x on 8 lanes (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; e^-inf = 0). */
+/* e^x (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; e^-inf = 0) on 8 lanes (exp8)
+ * or 16 (exp16): one sequence of operations, P the intrinsics' prefix, so every lane computes the
+ * same value whichever width runs it. EXP_REDUCE clamps x and takes fx = x log2(e) + 1/2 (floored
+ * by the caller); EXP_SCALE leaves y = e^(x - fx ln 2) * 2^fx, CAST turning the exponent's integer
+ * lanes into floats. */
+#define EXP_REDUCE(P, x, fx)                                                                        \
+    x = P##min_ps(P##max_ps(x, P##set1_ps(-88.3762626647949f)), P##set1_ps(88.3762626647949f));  \
+    fx = P##fmadd_ps(x, P##set1_ps(1.44269504088896341f), P##set1_ps(0.5f))
+#define EXP_SCALE(P, CAST, x, fx, y)                                                                \
+    x = P##fnmadd_ps(fx, P##set1_ps(0.693359375f), x);                                              \
+    x = P##fnmadd_ps(fx, P##set1_ps(-2.12194440e-4f), x);                                           \
+    y = P##set1_ps(1.9875691500E-4f);                                                               \
+    y = P##fmadd_ps(y, x, P##set1_ps(1.3981999507E-3f));                                            \
+    y = P##fmadd_ps(y, x, P##set1_ps(8.3334519073E-3f));                                            \
+    y = P##fmadd_ps(y, x, P##set1_ps(4.1665795894E-2f));                                            \
+    y = P##fmadd_ps(y, x, P##set1_ps(1.6666665459E-1f));                                            \
+    y = P##fmadd_ps(y, x, P##set1_ps(5.0000001201E-1f));                                            \
+    y = P##add_ps(P##fmadd_ps(y, P##mul_ps(x, x), x), P##set1_ps(1.0f));                             \
+    y = P##mul_ps(y, CAST(P##slli_epi32(P##add_epi32(P##cvttps_epi32(fx), P##set1_epi32(127)), 23)))
+
 static inline __m256 exp8(__m256 x) {
     const __m256 neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    const __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    __m256 fx, y;
+    EXP_REDUCE(_mm256_, x, fx);
+    fx = _mm256_floor_ps(fx);
+    EXP_SCALE(_mm256_, _mm256_castsi256_ps, x, fx, y);
+    return _mm256_andnot_ps(neg_inf, y);
 }
 
 #if defined(__AVX512F__)
-/* exp8 on 16 lanes: the same operations lane by lane, so the same values. */
 static inline __m512 exp16(__m512 x) {
     const __mmask16 neg_inf = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    const __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~neg_inf, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+    __m512 fx, y;
+    EXP_REDUCE(_mm512_, x, fx);
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    EXP_SCALE(_mm512_, _mm512_castsi512_ps, x, fx, y);
+    return _mm512_maskz_mov_ps((__mmask16)~neg_inf, y);
 }
 #endif
 
