@@ -367,10 +367,10 @@ def test_max_turns_keeps_the_first_turns(tmp_path):
 
 
 def test_the_compute_floor_counts_the_int8_peak_loop_and_bounds_the_curve():
-    """The peak loop does the arithmetic it claims (its checksum: 8 running sums of the pair sums
-    2 * (1, 2, 3, 4, 1, 2, 3, 4) per round, per thread, for vpmaddubsw, of quad sums 4 * (...) for
-    vpdpbusd), and the floor is N tokens' weight multiply-adds at that rate, set against the
-    measured T(1)."""
+    """The peak loop does the arithmetic it claims (its checksum: 12 running sums of the pair sums
+    2 * (1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4) per round, per thread, for vpmaddubsw, of quad sums
+    4 * (...) for vpdpbusd), and the floor is N tokens' weight multiply-adds at that rate, set
+    against the measured T(1)."""
     from types import SimpleNamespace
 
     from ddspec import native
@@ -379,7 +379,8 @@ def test_the_compute_floor_counts_the_int8_peak_loop_and_bounds_the_curve():
     if not native.available():
         pytest.skip(native.unavailable_reason())
     per_lane = 2 if native.library().dd_int8_peak_step() == 0 else 4  # products summed per lane and step
-    assert native.library().dd_int8_peak(100, 2) == 2 * 100 * per_lane * 20
+    assert native.library().dd_int8_peak(100, 2) == 2 * 100 * per_lane * 30
+    assert native.PEAK_ROUND == 12
     assert native.int8_peak(1, seconds=0.02) > 1e9
     w = lambda o, i: SimpleNamespace(out_features=o, in_features=i)  # noqa: E731
     target = SimpleNamespace(layers=[SimpleNamespace(weights=[w(10, 20), w(30, 40)])] * 2, lm_head_w=w(50, 60))

@@ -576,7 +576,8 @@ def layer_array(layers: list[_Layer]):
 ATTENTION_MODES = {"auto": 0, "rows": 1, "shared": 2}
 
 
-# dd_int8_peak's step by dd_int8_peak_step: (its instruction, byte products per step); a round is 8 steps
+# dd_int8_peak's step by dd_int8_peak_step: (its instruction, byte products per step); a round is PEAK_ROUND steps
+PEAK_ROUND = 12
 PEAK_STEPS = {0: ("vpmaddubsw on 8 lanes", 32), 1: ("vpdpbusd on 8 lanes", 32), 2: ("vpdpbusd on 16 lanes", 64)}
 
 
@@ -596,7 +597,7 @@ def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
     if lib is None:
         return None
     iters, best = 1 << 16, 0.0
-    per_round = 8 * PEAK_STEPS[lib.dd_int8_peak_step()][1]
+    per_round = PEAK_ROUND * PEAK_STEPS[lib.dd_int8_peak_step()][1]
     while True:  # grow the run until it is long enough to time
         t0 = time.perf_counter()
         lib.dd_int8_peak(iters, threads)
