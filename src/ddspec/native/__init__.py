@@ -243,26 +243,29 @@ def _enabled() -> str | None:
     return None
 
 
-def _library_path() -> Path:
+def _kernel_paths() -> tuple[Path, Path]:
+    """Where this build (:func:`build_id`: one hash of the sources for both) lives: in the cache, and
+    where :func:`prebuild` puts it, beside the Python environment (``<sys.prefix>/share/ddspec/native``,
+    e.g. the repository's .venv), which outlives any cache."""
     from ddspec.machine import cache_root
 
-    return cache_root() / "native" / f"ddspec_kernels-{build_id()}.so"
+    name = f"ddspec_kernels-{build_id()}.so"
+    return cache_root() / "native" / name, Path(sys.prefix) / "share" / "ddspec" / "native" / name
 
 
-def _installed_path() -> Path:
-    """Where :func:`prebuild` puts the kernels: beside the Python environment (``<sys.prefix>/share/
-    ddspec/native``, e.g. the repository's .venv), which outlives any cache."""
-    return Path(sys.prefix) / "share" / "ddspec" / "native" / f"ddspec_kernels-{build_id()}.so"
+def _library_path() -> Path:
+    """The cache's copy of this build (what a first command compiles)."""
+    return _kernel_paths()[0]
 
 
 def _built_path() -> Path | None:
     """The kernels already built for this source, compiler and flags: in the cache, else those
     :func:`prebuild` installed; None when neither is there."""
-    return next((p for p in (_library_path(), _installed_path()) if p.is_file()), None)
+    return next((p for p in _kernel_paths() if p.is_file()), None)
 
 
 def prebuild() -> Path | None:
-    """Compile the kernels into the Python environment (:func:`_installed_path`) now, unless they are
+    """Compile the kernels into the Python environment (:func:`_kernel_paths`) now, unless they are
     there already (or in the cache: then linked or copied) or cannot be used here; returns where they are
     (None when they cannot be had). ``make setup`` runs this beside pip (``python -m ddspec.native``), so
     that a first ``ddspec`` command, on any cache, does not wait for the compiler."""
@@ -270,7 +273,7 @@ def prebuild() -> Path | None:
     if why is not None:
         print(f"ddspec: no CPU kernels to build: {why}", file=sys.stderr)
         return None
-    out, cached = _installed_path(), _library_path()
+    cached, out = _kernel_paths()
     if out.is_file():
         return out
     if cached.is_file():  # built into the cache by an earlier command: link or copy it
@@ -292,8 +295,8 @@ def start_build() -> None:
     global _pending
     if _lib is not None or _why_not is not None or _pending is not None or _enabled() is not None:
         return
-    path = _library_path()
-    if _built_path() is not None:
+    path, installed = _kernel_paths()
+    if path.is_file() or installed.is_file():
         return
     print("ddspec: compiling ddspec's CPU kernels in the background (once, about 15 s on two cores)",
           file=sys.stderr)
@@ -319,7 +322,8 @@ def library() -> ctypes.CDLL | None:
     _why_not = _enabled()
     if _why_not is not None:
         return None
-    path = _built_path() or _library_path()
+    paths = _kernel_paths()
+    path = next((p for p in paths if p.is_file()), paths[0])
     try:
         if not path.is_file():
             build, _pending = _pending, None
