@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ddspec.bench import report
 from ddspec.bench.prompts import Prompt, builtin_prompts, load_prompt_file, load_prompts
@@ -389,6 +390,26 @@ def test_the_compute_floor_counts_the_int8_peak_loop_and_bounds_the_curve():
     assert "T(8) >= 8.0 ms" in text and "T(16) >= 16.0 ms" in text
     assert "T(8)/T(1) >= 800.00" in text and "T(16)/T(1) >= 1600.00" in text
     assert compute_floor_lines(target, {}, peak=5800e3) == [] and compute_floor_lines(target, {1: 1.0}, None) == []
+
+
+def test_the_reread_floor_reads_every_byte_and_bounds_the_one_token_forward():
+    """The read loop sums every 32-bit word of its buffer, in any number of threads (so no read is
+    skipped), and the floor is the bytes over that rate, set against T(1) and, with the compute
+    floor, the T(8)/T(1) of an implementation at both floors."""
+    from ddspec import native
+    from ddspec.bench.target import reread_floor_lines
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    buf = torch.arange(3 * 128, dtype=torch.int32).view(torch.uint8)  # 1536 bytes: 12 blocks of 128
+    for threads in (1, 2, 3):
+        assert native.library().dd_read_sum(buf.data_ptr(), buf.numel(), threads) == sum(range(3 * 128))
+    assert native.read_rate(1 << 20, 1, reps=2) > 1e8
+    text = " ".join(reread_floor_lines(200_000_000, 100e9, {1: 4.0, 8: 8.0}, per_token_ms=0.5))  # 2 ms to read
+    assert "less than 2.00 ms" in text and "at least 50%" in text
+    assert "T(8)/T(1) = 2.00; measured here: 2.00" in text  # max(2, 8 x 0.5) / max(2, 0.5)
+    assert "T(8)/T(1)" not in " ".join(reread_floor_lines(200_000_000, 100e9, {1: 4.0, 8: 8.0}, per_token_ms=None))
+    assert reread_floor_lines(1, None, {1: 1.0}, 0.1) == [] and reread_floor_lines(1, 1e9, {}, 0.1) == []
 
 
 def test_llama_cpp_trial_turns_a_crash_into_a_reason(monkeypatch, tmp_path):

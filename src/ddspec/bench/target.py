@@ -11,7 +11,10 @@ Prints, in one run, on this machine:
    native (fp32 and int8 activations) and the HF implementation (median of several repetitions), with the matmul kernels the
    native target chose on this machine (models/kernels.py);
 4. the compute floor: the CPU's measured 8-bit multiply-add peak, and what it allows a forward
-   over 8 and 16 tokens whatever the kernel (the lower bound of T(8)/T(1) and T(16)/T(1));
+   over 8 and 16 tokens whatever the kernel (the lower bound of T(8)/T(1) and T(16)/T(1)); and the
+   re-read floor: the weight bytes a token reads / the rate at which these threads re-read a
+   buffer that size (as a forward re-reads its weights every token), the least time of any
+   one-token forward here;
 5. long context: the forward over 1, 4, 8 new tokens after 2,000 cached tokens and the prefill of
    a 2,000-token prompt, per native arm (with the KV cache's dtype);
 6. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
@@ -102,6 +105,27 @@ def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> li
         f"(a faster one-token forward only raises them). Each token past 8 costs {marginal:.2f} ms here, "
         f"{per_token / marginal * 100:.0f}% of the peak's {per_token:.2f} ms.",
     ]
+
+
+def reread_floor_lines(read: int, rate: float | None, fwd: dict[int, float], per_token_ms: float | None) -> list[str]:
+    """What re-reading a token's weights costs on this machine (``rate``: native.read_rate over ``read``
+    bytes), against the int8 T(1) measured here, and the best T(8)/T(1) the two floors leave."""
+    if rate is None or not fwd:
+        return []
+    ms = read / rate * 1e3
+    lines = [
+        "",
+        f"Re-read floor: every token's forward reads the same {read / 1e6:.0f} MB of weights again. These threads "
+        f"re-read a buffer of that size at {rate / 1e9:.1f} GB/s here (best of 15 passes; it stays in this CPU's "
+        f"caches as far as they hold it, whereas the copy above streams from memory), so no one-token forward of "
+        f"these weights takes less than {ms:.2f} ms on this machine: the int8 T(1) measured here "
+        f"({fwd[1]:.1f} ms) spends at least {ms / fwd[1] * 100:.0f}% of its time reading them.",
+    ]
+    if per_token_ms is not None:
+        best = max(ms, 8 * per_token_ms) / max(ms, per_token_ms)
+        lines[-1] += (f" With the compute floor, an implementation at both floors (reads and arithmetic fully "
+                      f"overlapped) would have T(8)/T(1) = {best:.2f}; measured here: {fwd[8] / fwd[1]:.2f}.")
+    return lines
 
 
 def time_ours(target, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -302,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddspec import native as native_lib
 
     peak = native_lib.int8_peak(args.threads)
+    rate = native_lib.read_rate(read, args.threads)
+    per_token_ms = macs_per_token(native) / peak * 1e3 if peak else None
     int8_rows = []
     if int8 is not None:
         same = common_prefix(texts["native"], texts["int8"])
@@ -352,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         f"kernels chosen here by rows (layers): {native.layer_plan.describe()}; lm_head: {native.head_plan.describe()}; "
         f"C kernels: {native_kernels_line()}",
         *compute_floor_lines(native, fwd.get("int8", {}), peak),
+        *reread_floor_lines(read, rate, fwd.get("int8", {}), per_token_ms),
         "",
         *long_lines,
         "",

@@ -351,6 +351,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_int8_peak.restype = ctypes.c_int64
     lib.dd_int8_peak_step.argtypes = []
     lib.dd_int8_peak_step.restype = ctypes.c_int
+    lib.dd_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.dd_read_sum.restype = ctypes.c_int64
     lib.dd_wide.argtypes = []
     lib.dd_wide.restype = ctypes.c_int
     lib.dd_set_wide_groups.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -612,6 +614,27 @@ def int8_peak(threads: int, seconds: float = 0.3) -> float | None:
         t0 = time.perf_counter()
         lib.dd_int8_peak(iters, threads)
         best = max(best, iters * threads * per_round / (time.perf_counter() - t0))
+    return best
+
+
+def read_rate(nbytes: int, threads: int, reps: int = 15) -> float | None:
+    """Bytes per second at which ``threads`` threads read a buffer of ``nbytes`` bytes that they read
+    again and again, as a forward re-reads the same weights every token (kept in the CPU's last-level
+    cache as far as it holds them): best of ``reps`` passes after an untimed one; None without the
+    kernels. With ``nbytes`` the weight bytes a token reads, ``nbytes / read_rate`` is the least
+    time any one-token forward spends reading them on this machine."""
+    import time
+
+    lib = library()
+    if lib is None:
+        return None
+    buf = torch.ones(max(128, nbytes // 128 * 128), dtype=torch.uint8)
+    lib.dd_read_sum(buf.data_ptr(), buf.numel(), threads)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        lib.dd_read_sum(buf.data_ptr(), buf.numel(), threads)
+        best = max(best, buf.numel() / (time.perf_counter() - t0))
     return best
 
 

@@ -1181,6 +1181,29 @@ int64_t dd_int8_peak(int64_t iters, int nthreads) {
     return total;
 }
 
+/* The sum of the 32-bit words of p [bytes] (a multiple of 128), read by `nthreads` threads, each its
+ * contiguous share on 256-bit loads: the benchmark's re-read rate of weights (native.read_rate). */
+int64_t dd_read_sum(const uint8_t *p, int64_t bytes, int nthreads) {
+    int64_t total = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        const int64_t th = omp_get_num_threads(), t = omp_get_thread_num(), blocks = bytes / 128;
+        const int64_t lo = blocks * t / th * 128, hi = blocks * (t + 1) / th * 128;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t i = lo; i < hi; i += 128) {
+            s0 = _mm256_add_epi32(s0, _mm256_loadu_si256((const __m256i *)(p + i)));
+            s1 = _mm256_add_epi32(s1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+            s2 = _mm256_add_epi32(s2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+            s3 = _mm256_add_epi32(s3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+        }
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, s);
+        for (int l = 0; l < 8; l++) total += lanes[l];
+    }
+    return total;
+}
+
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
 #pragma omp parallel num_threads(nthreads)
