@@ -859,7 +859,15 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
 static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, const uint8_t *blk, int i) {
     if (kind == DD_Q4_1_A8) {
         const __m512i L = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i)));
+#if defined(__GFNI__)
+        /* one affine map per byte: each byte's low nibble in the low half, its high nibble (>> 4) in
+         * the high half (bit i of a result byte = bit k of the byte where matrix byte 7 - i = 1 << k) */
+        return _mm512_gf2p8affine_epi64_epi8(L, _mm512_setr_epi64(0x0102040800000000LL, 0x0102040800000000LL, 0x0102040800000000LL,
+                                                                  0x0102040800000000LL, 0x1020408000000000LL, 0x1020408000000000LL,
+                                                                  0x1020408000000000LL, 0x1020408000000000LL), 0);
+#else
         return _mm512_and_si512(_mm512_srlv_epi64(L, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
+#endif
     }
     return _mm512_xor_si512(_mm512_loadu_si512((const void *)(blk + 32 + 64 * i)), _mm512_set1_epi8((char)0x80));
 }
