@@ -154,9 +154,11 @@ def build_flags() -> list[str]:
 # AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE) and, with
 # AVX-512 VNNI, with 8-bit activations (DD_WIDE_A8); the rest of the code stays on 256-bit vectors
 # (-mprefer-vector-width=256: no change to what gcc vectorises by itself)
-# (with GFNI and AVX-512BW too: the Q4_1 levels of the 8-bit passes widened by one affine byte map, GF2P8AFFINEQB,
-# instead of a shift and a mask: the same bytes; the int8 model's forward over 3-6 tokens after 256 took
-# 0.97-0.99x the time, 1-2 tokens 0.99-1.01x, Intel Xeon family 6 model 207, two builds in one process)
+# (with GFNI and AVX-512BW too: the 16-lane passes widen Q4_1 levels by one affine byte map, GF2P8AFFINEQB,
+# instead of shifts, unpacks and masks: the same bytes. Intel Xeon family 6 model 207, after 256 tokens, two
+# builds in one process, interleaved: the int8 model's forward over 3-6 tokens 0.97-0.99x the time, 1-2 tokens
+# 0.99-1.01x; the fp32 model's over 2 / 3 / 4 / 6-8 tokens 0.80-0.83 / 0.86-0.89 / 0.92-0.95 / 0.95-0.97x,
+# 1 token 0.97-1.01x)
 _WIDE_OPTIONS = (({"avx512f", "avx512_vnni", "avx512bw", "gfni"},
                   ["-mavx512f", "-mavx512vnni", "-mavx512bw", "-mgfni", "-mprefer-vector-width=256"]),
                  ({"avx512f", "avx512_vnni"}, ["-mavx512f", "-mavx512vnni", "-mprefer-vector-width=256"]),

@@ -496,8 +496,14 @@ static inline int64_t wide_groups(int64_t kind, int64_t n) {
 #if DD_WIDE && (DD_HAS(1) || DD_HAS(2))
 static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const uint8_t *blk, int64_t kk) {
     if (kind == DD_Q4_1) { /* bytes 0-7: outputs 0-7 (low nibbles), then 8-15 (high nibbles) */
+#if defined(__GFNI__)
+        /* the 8 bytes in both halves, one affine byte map: low nibbles, then high ones (see a8_levels16) */
+        const __m128i v = _mm_castpd_si128(_mm_loaddup_pd((const double *)(blk + 64 + kk * 8)));
+        const __m128i q = _mm_gf2p8affine_epi64_epi8(v, _mm_set_epi64x(0x1020408000000000LL, 0x0102040800000000LL), 0);
+#else
         const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 64 + kk * 8));
         const __m128i q = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
+#endif
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + kk * 16))));
