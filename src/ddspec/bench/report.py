@@ -302,8 +302,7 @@ def native_kernels_line() -> str:
     parts = ["AVX2/FMA"]
     if native.vnni_flags():
         parts.append("VNNI")
-    if "-mgfni" in native.wide_flags():
-        parts.append("GFNI")
+    parts += [name for flag, name in (("-mgfni", "GFNI"), ("-mavx512vbmi", "VBMI")) if flag in native.wide_flags()]
     wide = native.wide_choice()
     if wide:
         parts.append("AVX-512 passes (groups per pass by rows 1-8: " + "; ".join(

@@ -159,7 +159,12 @@ def build_flags() -> list[str]:
 # builds in one process, interleaved: the int8 model's forward over 3-6 tokens 0.97-0.99x the time, 1-2 tokens
 # 0.99-1.01x; the fp32 model's over 2 / 3 / 4 / 6-8 tokens 0.80-0.83 / 0.86-0.89 / 0.92-0.95 / 0.95-0.97x,
 # 1 token 0.97-1.01x)
-_WIDE_OPTIONS = (({"avx512f", "avx512_vnni", "avx512bw", "gfni"},
+# (with AVX-512 VBMI as well: the fp32 passes take Q4_1 levels as floats in two operations, VPMULTISHIFTQB and
+# VPERMPS, instead of GFNI's map, a widening and a conversion: the same floats, see levels16; against the GFNI
+# build, the same way, three runs: fp32 over 2-16 tokens 0.92-0.98x the time (one 1.04x), 1 token 0.92-1.01x)
+_WIDE_OPTIONS = (({"avx512f", "avx512_vnni", "avx512bw", "gfni", "avx512vbmi"},
+                  ["-mavx512f", "-mavx512vnni", "-mavx512bw", "-mgfni", "-mavx512vbmi", "-mprefer-vector-width=256"]),
+                 ({"avx512f", "avx512_vnni", "avx512bw", "gfni"},
                   ["-mavx512f", "-mavx512vnni", "-mavx512bw", "-mgfni", "-mprefer-vector-width=256"]),
                  ({"avx512f", "avx512_vnni"}, ["-mavx512f", "-mavx512vnni", "-mprefer-vector-width=256"]),
                  ({"avx512f"}, ["-mavx512f", "-mprefer-vector-width=256"]))
@@ -173,7 +178,9 @@ def wide_flags() -> list[str]:
     results are the same bits either way (each lane runs the 8-lane passes' arithmetic)."""
     global _wide
     if _wide is None:
-        options = _WIDE_OPTIONS[2:] if _switched_off("DDSPEC_VNNI") else _WIDE_OPTIONS
+        options = _WIDE_OPTIONS
+        if _switched_off("DDSPEC_VNNI"):
+            options = tuple(o for o in options if "-mavx512vnni" not in o[1])
         _wide = [] if _switched_off("DDSPEC_AVX512") else _first_taken(options)
     return _wide
 

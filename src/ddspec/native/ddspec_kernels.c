@@ -496,7 +496,20 @@ static inline int64_t wide_groups(int64_t kind, int64_t n) {
 #if DD_WIDE && (DD_HAS(1) || DD_HAS(2))
 static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const uint8_t *blk, int64_t kk) {
     if (kind == DD_Q4_1) { /* bytes 0-7: outputs 0-7 (low nibbles), then 8-15 (high nibbles) */
-#if defined(__GFNI__)
+#if defined(__AVX512VBMI__)
+        /* the 8 bytes in every 64-bit lane; each 32-bit lane o gets the 8 bits from its nibble's
+         * first bit on (VPMULTISHIFTQB: output o < 8 at bit 8o, o >= 8 at 8(o - 8) + 4), and the
+         * float of those bits' low 4 (VPERMPS reads only the low 4 bits of an index): the levels as
+         * floats in two operations instead of a widening and a conversion */
+        long long bytes8;
+        memcpy(&bytes8, blk + 64 + kk * 8, 8);
+        const __m512i v = _mm512_set1_epi64(bytes8);
+        const __m512i idx = _mm512_multishift_epi64_epi8(
+            _mm512_setr_epi64(0x0000000800000000LL, 0x0000001800000010LL, 0x0000002800000020LL, 0x0000003800000030LL,
+                              0x0000000C00000004LL, 0x0000001C00000014LL, 0x0000002C00000024LL, 0x0000003C00000034LL), v);
+        return _mm512_permutexvar_ps(idx, _mm512_setr_ps(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f, 8.0f, 9.0f,
+                                                         10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f));
+#elif defined(__GFNI__)
         /* the 8 bytes in both halves, one affine byte map: low nibbles, then high ones (see a8_levels16) */
         const __m128i v = _mm_castpd_si128(_mm_loaddup_pd((const double *)(blk + 64 + kk * 8)));
         const __m128i q = _mm_gf2p8affine_epi64_epi8(v, _mm_set_epi64x(0x1020408000000000LL, 0x0102040800000000LL), 0);
@@ -504,7 +517,9 @@ static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const
         const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 64 + kk * 8));
         const __m128i q = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
 #endif
+#if !defined(__AVX512VBMI__)
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+#endif
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 32 + kk * 16))));
 }
