@@ -19,8 +19,9 @@
  * bit for bit, its token decoded alone after its ancestors.
  *
  * Built on first use by ddspec/native/__init__.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp
- * -ffp-contract=off, plus -mavxvnni / -mavx512f where the CPU has them: see DD_VNNI and DD_WIDE,
- * which change the instructions, never the results) and called through ctypes; nothing here
+ * -ffp-contract=off, plus -mavxvnni / -mavx512f, and -mgfni / -mavx512vbmi for the 16-lane
+ * passes' unpacking, where the CPU has them: see DD_VNNI, DD_WIDE, levels16 and a8_levels16, which
+ * change the instructions, never the results) and called through ctypes; nothing here
  * allocates memory the caller sees.
  */
 #include <immintrin.h>
@@ -1210,8 +1211,9 @@ int64_t dd_int8_peak(int64_t iters, int nthreads) {
     return total;
 }
 
-/* The sum of the 32-bit words of p [bytes] (a multiple of 128), read by `nthreads` threads, each its
- * contiguous share on 256-bit loads: the benchmark's re-read rate of weights (native.read_rate). */
+/* The sum of the 32-bit words of p [bytes] (a multiple of 128; each lane's sum wraps at 32 bits),
+ * read by `nthreads` threads, each its contiguous share on 256-bit loads: what the benchmark times
+ * to get the rate of re-reading weights (native.read_rate). */
 int64_t dd_read_sum(const uint8_t *p, int64_t bytes, int nthreads) {
     int64_t total = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total)
