@@ -173,9 +173,9 @@ _wide: list[str] | None = None
 
 def wide_flags() -> list[str]:
     """The compiler flags for the AVX-512 passes: where this CPU has AVX-512F and the compiler takes
-    them (with AVX-512 VNNI, and GFNI with AVX-512BW, too, unless ``DDSPEC_VNNI=0``); none with
-    ``DDSPEC_AVX512=0``. The
-    results are the same bits either way (each lane runs the 8-lane passes' arithmetic)."""
+    them (with AVX-512 VNNI, and GFNI with AVX-512BW and VBMI, too, unless ``DDSPEC_VNNI=0``); none
+    with ``DDSPEC_AVX512=0``. The results are the same bits either way (each lane runs the 8-lane
+    passes' arithmetic)."""
     global _wide
     if _wide is None:
         options = _WIDE_OPTIONS
@@ -268,15 +268,11 @@ def _kernel_paths() -> tuple[Path, Path]:
     return cache_root() / "native" / name, Path(sys.prefix) / "share" / "ddspec" / "native" / name
 
 
-def _library_path() -> Path:
-    """The cache's copy of this build (what a first command compiles)."""
-    return _kernel_paths()[0]
-
-
-def _built_path() -> Path | None:
+def _built_path(paths: tuple[Path, Path] | None = None) -> Path | None:
     """The kernels already built for this source, compiler and flags: in the cache, else those
-    :func:`prebuild` installed; None when neither is there."""
-    return next((p for p in _kernel_paths() if p.is_file()), None)
+    :func:`prebuild` installed; None when neither is there. ``paths``: :func:`_kernel_paths`, when the
+    caller has them already (one hash of the sources per lookup)."""
+    return next((p for p in paths or _kernel_paths() if p.is_file()), None)
 
 
 def prebuild() -> Path | None:
@@ -310,13 +306,13 @@ def start_build() -> None:
     global _pending
     if _lib is not None or _why_not is not None or _pending is not None or _enabled() is not None:
         return
-    path, installed = _kernel_paths()
-    if path.is_file() or installed.is_file():
+    paths = _kernel_paths()
+    if _built_path(paths) is not None:
         return
     print("ddspec: compiling ddspec's CPU kernels in the background (once, about 15 s on two cores)",
           file=sys.stderr)
     try:
-        _pending = _Build(path)
+        _pending = _Build(paths[0])
     except (OSError, RuntimeError):
         _pending = None  # library() tries again in the foreground and reports the error
 
@@ -338,7 +334,7 @@ def library() -> ctypes.CDLL | None:
     if _why_not is not None:
         return None
     paths = _kernel_paths()
-    path = next((p for p in paths if p.is_file()), paths[0])
+    path = _built_path(paths) or paths[0]
     try:
         if not path.is_file():
             build, _pending = _pending, None
