@@ -147,6 +147,10 @@ static inline __attribute__((always_inline)) void weights_at(const dd_weight *W,
  * about an ulp per block, and still arithmetic per output that depends neither on the other
  * rows nor on the threads. A one-hot row reads back gguf-py's fl(fl(d*q) + m) / fl(q*d) exactly. */
 #define BLOCK_BYTES(KIND) ((KIND) == DD_Q4_1 ? 320 : 544) /* one group's block of 32 inputs, see dd_weight */
+/* GF2P8AFFINEQB matrices (GFNI builds) taking a byte's low nibble, and its high nibble shifted
+ * down: bit i of a result byte = bit k of the source byte where matrix byte 7 - i = 1 << k */
+#define NIBBLE_LOW 0x0102040800000000LL
+#define NIBBLE_HIGH 0x1020408000000000LL
 
 /* A block's 16 scales (at its start) or minimums (32 bytes on, Q4_1): fp16, as in the GGUF file,
  * which holds every one of them exactly, so the fp32 values the kernels compute with are the same
@@ -513,7 +517,7 @@ static inline __attribute__((always_inline)) __m512 levels16(int64_t kind, const
 #elif defined(__GFNI__)
         /* the 8 bytes in both halves, one affine byte map: low nibbles, then high ones (see a8_levels16) */
         const __m128i v = _mm_castpd_si128(_mm_loaddup_pd((const double *)(blk + 64 + kk * 8)));
-        const __m128i q = _mm_gf2p8affine_epi64_epi8(v, _mm_set_epi64x(0x1020408000000000LL, 0x0102040800000000LL), 0);
+        const __m128i q = _mm_gf2p8affine_epi64_epi8(v, _mm_set_epi64x(NIBBLE_HIGH, NIBBLE_LOW), 0);
 #else
         const __m128i v = _mm_loadl_epi64((const __m128i *)(blk + 64 + kk * 8));
         const __m128i q = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
@@ -877,16 +881,15 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
  *   DD_Q8_0_A8: the quad's 64 bytes (outputs 0-7, then 8-15) plus 128 (vpdpbusd's unsigned
  *     operand): the sum then holds 128 * (the row's block sum of qx) too, which its running sum
  *     starts without (sq). */
-#define A8_BYTES(KIND_ID) ((KIND_ID) == DD_Q4_1_A8 ? 320 : 544)
+#define A8_BYTES(KIND_ID) BLOCK_BYTES((KIND_ID) == DD_Q4_1_A8 ? DD_Q4_1 : DD_Q8_0)
 static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, const uint8_t *blk, int i) {
     if (kind == DD_Q4_1_A8) {
         const __m512i L = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i)));
 #if defined(__GFNI__)
         /* one affine map per byte: each byte's low nibble in the low half, its high nibble (>> 4) in
-         * the high half (bit i of a result byte = bit k of the byte where matrix byte 7 - i = 1 << k) */
-        return _mm512_gf2p8affine_epi64_epi8(L, _mm512_setr_epi64(0x0102040800000000LL, 0x0102040800000000LL, 0x0102040800000000LL,
-                                                                  0x0102040800000000LL, 0x1020408000000000LL, 0x1020408000000000LL,
-                                                                  0x1020408000000000LL, 0x1020408000000000LL), 0);
+         * the high half (NIBBLE_LOW, NIBBLE_HIGH) */
+        return _mm512_gf2p8affine_epi64_epi8(L, _mm512_setr_epi64(NIBBLE_LOW, NIBBLE_LOW, NIBBLE_LOW, NIBBLE_LOW,
+                                                                  NIBBLE_HIGH, NIBBLE_HIGH, NIBBLE_HIGH, NIBBLE_HIGH), 0);
 #else
         return _mm512_and_si512(_mm512_srlv_epi64(L, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
 #endif
@@ -992,13 +995,14 @@ static inline __attribute__((always_inline)) __m512i a8_levels16(int64_t kind, c
     static void apass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,        \
                           const float *sx, float *y, int64_t ldy, int accumulate) {                 \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
+        enum { BYTES = BLOCK_BYTES(DD_Q4_1) };                                                      \
         const __m256i low = _mm256_set1_epi8(0x0F);                                                 \
         float tot[R * 16] __attribute__((aligned(32)));                                             \
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            const uint8_t *blk = W->qs + (g * nb + b) * 320;                                        \
-            for (int l = 0; l < 320; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 320 + l, _MM_HINT_T0); \
-            PREFETCH_AHEAD(R, blk, 320);                                                            \
+            const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
+            for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, BYTES);                                                          \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
@@ -1042,12 +1046,13 @@ DD_SHARED void a8gemm_shared_q4_1(const dd_weight *W, const float *x, int64_t n,
                            const float *sx, float *y, int64_t ldy, int accumulate) {                \
         (void)sx; /* no minimum in Q8_0 */                                                          \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
+        enum { BYTES = BLOCK_BYTES(DD_Q8_0) };                                                      \
         __m256 t0[R], t1[R];                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) t0[r] = t1[r] = _mm256_setzero_ps();    \
         for (int64_t b = 0; b < nb; b++) {                                                          \
-            const uint8_t *blk = W->qs + (g * nb + b) * 544;                                        \
-            for (int l = 0; l < 544; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * 544 + l, _MM_HINT_T0); \
-            PREFETCH_AHEAD(R, blk, 544);                                                            \
+            const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
+            for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, BYTES);                                                          \
             __m256i s0[R], s1[R];                                                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
