@@ -82,6 +82,11 @@ def macs_per_token(target) -> int:
     return sum(w.out_features * w.in_features for w in ws)
 
 
+def arithmetic_ms_per_token(target, peak: float | None) -> float | None:
+    """Ms of one token's weight multiply-adds at the 8-bit peak (``peak``: per second), None without one."""
+    return macs_per_token(target) / peak * 1e3 if peak else None
+
+
 def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> list[str]:
     """What the CPU's 8-bit multiply-add peak allows a forward over N tokens, against the
     int8 curve measured here (``fwd``: N -> ms)."""
@@ -90,7 +95,7 @@ def compute_floor_lines(target, fwd: dict[int, float], peak: float | None) -> li
     if peak is None or not fwd:
         return []
     macs = macs_per_token(target)
-    per_token = macs / peak * 1e3  # ms of int8 arithmetic per token, at the peak
+    per_token = arithmetic_ms_per_token(target, peak)  # ms of int8 arithmetic per token, at the peak
     floor = {n: n * per_token for n in (8, 16)}
     marginal = (fwd[16] - fwd[8]) / 8
     return [
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = native_lib.int8_peak(args.threads)
     rate = native_lib.read_rate(read, args.threads)
-    per_token_ms = macs_per_token(native) / peak * 1e3 if peak else None
+    per_token_ms = arithmetic_ms_per_token(native, peak)
     int8_rows = []
     if int8 is not None:
         same = common_prefix(texts["native"], texts["int8"])
