@@ -591,6 +591,47 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
         native.set_prefetch(-1)
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activations, monkeypatch):
+    """Work stealing: with thread 0 of every matmul held back, the other thread takes its groups
+    from the end of its range (counted: the test sees it happen). Every matmul, a forward's
+    accumulating ones (x += o(...), x += down(...)) included, gives the same bits as without, and
+    a lone weight's rows the same as computed one at a time."""
+    from ddspec.models.loading import load_target
+
+    kind = "q4_1a8" if activations == "int8" else "q4_1"
+    if not native.wide_available(kind):
+        pytest.skip(f"these kernels were built without the AVX-512 passes for {kind}")
+    _quantise_dense(monkeypatch)
+    torch.set_num_threads(2)
+    target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
+    weight, _ = quantised("q4_1", 200, 96, seed=5)
+    if activations == "int8":
+        weight = weight.with_int8_activations()
+    gen = torch.Generator().manual_seed(3)
+    prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
+    x = torch.randn(9, 96, generator=gen)
+
+    def run():
+        target.reset(40)
+        first = target.forward(prefix, torch.arange(13))
+        tree = target.forward(tokens, torch.tensor([13, 14, 14, 15, 15]), torch.tensor(
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool))
+        return first.logits, tree.logits, tree.features, weight(x)
+
+    native.set_span_delay(0)
+    on_time = run()
+    try:
+        native.set_span_delay(2000)
+        late = run()
+    finally:
+        taken = native.set_span_delay(0)
+    assert taken > 0, "no group was taken from the late thread"
+    for a, b in zip(on_time, late):
+        assert torch.equal(a, b)
+    assert torch.equal(on_time[3], torch.cat([weight(x[r:r + 1]) for r in range(9)]))
+
+
 @pytest.mark.skipif(not native.available(), reason="no native kernels here")
 def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
     """The AVX-512 passes' groups (where the build has them) and the prefetch distance (always)."""

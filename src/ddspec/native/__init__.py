@@ -380,6 +380,8 @@ def library() -> ctypes.CDLL | None:
     lib.dd_set_prefetch.restype = ctypes.c_int
     lib.dd_get_prefetch.argtypes = []
     lib.dd_get_prefetch.restype = ctypes.c_int
+    lib.dd_set_span_delay.argtypes = [ctypes.c_int]
+    lib.dd_set_span_delay.restype = ctypes.c_int64
     _lib = lib
     return lib
 
@@ -778,6 +780,16 @@ def set_prefetch(blocks: int) -> None:
     lib = library()
     if lib is None or lib.dd_set_prefetch(int(blocks)):
         raise ValueError(f"cannot prefetch {blocks} blocks ahead (0 .. 256, with the kernels built)")
+
+
+def set_span_delay(us: int) -> int:
+    """For tests: thread 0 of every matmul on the AVX-512 passes starts ``us`` microseconds late (0: on
+    time), so that the other threads take its groups (the kernels' work stealing); returns how many
+    groups were taken from another thread while a delay was set, since the last call."""
+    lib = library()
+    if lib is None:
+        raise ValueError("the native kernels are not built here")
+    return int(lib.dd_set_span_delay(int(us)))
 
 
 def prefetch_blocks() -> int:

@@ -119,6 +119,73 @@ static inline void thread_groups(int64_t groups, int64_t *g0, int64_t *g1) {
     *g1 = groups * (t + 1) / T;
 }
 
+/* Work stealing between a matmul's threads. On a shared machine one core can run slower than
+ * the other for a while (a neighbour on its sibling hyperthread): with groups split statically
+ * the faster thread then waits at the barrier. Each thread starts with thread_groups' range and
+ * takes G groups at a time from its front; once its range is done it takes G groups at a time
+ * from the end of another thread's. Which thread computes a group never changes a result (every
+ * output is one thread's sum in a fixed order), so the bits are the same. A span packs a range
+ * [front, end) of groups, front in the low 32 bits, and is changed by compare-and-swap only; the
+ * spans belong to the enclosing parallel region (dd_spans, set by each of its threads; NULL:
+ * split statically). A matmul ends with a barrier, after which every span is empty, so a thread
+ * that looks at another's span before that thread has set it for the next matmul finds nothing
+ * to take. */
+typedef struct {
+    _Alignas(64) uint64_t w;
+} dd_span;
+#define DD_MAX_SPANS 64
+extern DD_HIDDEN __thread dd_span *dd_spans;
+extern DD_HIDDEN int dd_span_delay_us;    /* tests: thread 0 starts this late, after setting its span */
+extern DD_HIDDEN int64_t dd_groups_taken; /* groups taken from another thread's span, in all (tests) */
+
+static inline void span_start(int64_t groups) {
+    if (!dd_spans) return;
+    int64_t g0, g1;
+    thread_groups(groups, &g0, &g1);
+    __atomic_store_n(&dd_spans[omp_get_thread_num()].w, (uint64_t)g1 << 32 | (uint64_t)g0, __ATOMIC_RELEASE);
+    if (dd_span_delay_us > 0 && omp_get_thread_num() == 0)
+        for (const double until = omp_get_wtime() + 1e-6 * dd_span_delay_us; omp_get_wtime() < until;)
+            ;
+}
+
+/* The next groups [*g, *g + return) for this thread, at most G of them; 0 when none is left. Without
+ * spans, `*g` walks this thread's static range (the caller sets it to -1 first). */
+static inline int64_t span_next(int64_t groups, int64_t G, int64_t *g) {
+    if (!dd_spans) {
+        int64_t g0, g1;
+        thread_groups(groups, &g0, &g1);
+        *g = *g < 0 ? g0 : *g + G;
+        return *g < g1 ? (g1 - *g < G ? g1 - *g : G) : 0;
+    }
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    dd_span *own = dd_spans + t;
+    uint64_t w = __atomic_load_n(&own->w, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t front = w & 0xffffffffu, end = w >> 32;
+        if (front >= end) break;
+        const uint64_t next = front + G < end ? front + G : end;
+        if (__atomic_compare_exchange_n(&own->w, &w, end << 32 | next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            *g = (int64_t)front;
+            return (int64_t)(next - front);
+        }
+    }
+    for (int k = 1; k < T; k++) {
+        dd_span *other = dd_spans + (t + k) % T;
+        uint64_t v = __atomic_load_n(&other->w, __ATOMIC_ACQUIRE);
+        for (;;) {
+            const uint64_t front = v & 0xffffffffu, end = v >> 32;
+            if (front >= end) break;
+            const uint64_t from = end - front > (uint64_t)G ? end - G : front;
+            if (__atomic_compare_exchange_n(&other->w, &v, from << 32 | front, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                if (dd_span_delay_us > 0) __atomic_add_fetch(&dd_groups_taken, (int64_t)(end - from), __ATOMIC_RELAXED);
+                *g = (int64_t)from;
+                return (int64_t)(end - from);
+            }
+        }
+    }
+    return 0;
+}
+
 /* Group g's 16 weights at input k of a dense weight (fp32, or fp16 / bf16 holding fp32 values
  * exactly), as two vectors (outputs 0-7, 8-15). */
 static inline __attribute__((always_inline)) void weights_at(const dd_weight *W, int64_t g, int64_t k, __m256 *w0, __m256 *w1) {
@@ -594,10 +661,9 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
         const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, ldx = W->in;                    \
         const int64_t tiles = (n + WIDE_TILE - 1) / WIDE_TILE;                                      \
         const int64_t G = wide_groups(KIND_ID, n);                                                  \
-        int64_t g0, g1;                                                                             \
-        thread_groups(groups, &g0, &g1);                                                            \
-        for (int64_t g = g0; g < g1; g += G) {                                                      \
-            const int64_t ng = g1 - g < G ? g1 - g : G;                                             \
+        span_start(groups);                                                                         \
+        int64_t g = -1, ng;                                                                         \
+        while ((ng = span_next(groups, G, &g)) > 0) {                                               \
             for (int64_t t = 0, r = 0; t < tiles; t++) {                                            \
                 const int64_t rows = n / tiles + (t < n % tiles);                                   \
                 wide_##KIND[ng - 1][rows - 1](W, g, x + r * ldx, ldx, sx + r * nb, y + r * ldy, ldy, acc); \
@@ -843,10 +909,9 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
 #if DD_WIDE_A8
     if (G) {
         const int64_t wtiles = (n + WIDE_TILE - 1) / WIDE_TILE;
-        int64_t g0, g1;
-        thread_groups(groups, &g0, &g1);
-        for (int64_t g = g0; g < g1; g += G) {
-            const int64_t ng = g1 - g < G ? g1 - g : G;
+        span_start(groups);
+        int64_t g = -1, ng;
+        while ((ng = span_next(groups, G, &g)) > 0) {
             for (int64_t t = 0, r = 0; t < wtiles; t++) {
                 const int64_t rows = n / wtiles + (t < n % wtiles);
                 wide[ng - 1][rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, sq ? sq + r * nb : NULL, y + r * ldy,
@@ -1240,10 +1305,27 @@ int64_t dd_read_sum(const uint8_t *p, int64_t bytes, int nthreads) {
     return total;
 }
 
+DD_HIDDEN __thread dd_span *dd_spans;
+DD_HIDDEN int dd_span_delay_us = 0;
+DD_HIDDEN int64_t dd_groups_taken = 0;
+
+/* For tests: thread 0 of every matmul on the AVX-512 passes starts `us` microseconds late (0: not
+ * at all), so that the other threads take its groups; returns the groups taken from another
+ * thread's span while a delay was set, since the last call. */
+int64_t dd_set_span_delay(int us) {
+    dd_span_delay_us = us > 0 ? us : 0;
+    return __atomic_exchange_n(&dd_groups_taken, 0, __ATOMIC_RELAXED);
+}
+
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
+    dd_span spans[DD_MAX_SPANS] = {{0}};
 #pragma omp parallel num_threads(nthreads)
-    gemm_shared(W, x, n, y, W->out, 0);
+    {
+        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
+        gemm_shared(W, x, n, y, W->out, 0);
+        dd_spans = NULL;
+    }
     return 0;
 }
 
@@ -1508,9 +1590,11 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
     float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = 1.0f / sqrtf((float)D);
+    dd_span spans[DD_MAX_SPANS] = {{0}};
 
 #pragma omp parallel num_threads(nthreads)
     {
+        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
         /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
@@ -1572,6 +1656,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
         }
         gemm_shared(&L->down, act, n, x, H, 1);
+        dd_spans = NULL;
     }
     return 0;
 }
