@@ -592,16 +592,24 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
-def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activations, monkeypatch):
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activations, lanes, monkeypatch):
     """Work stealing: with thread 0 of every matmul held back, the other thread takes its groups
-    from the end of its range (counted: the test sees it happen). Every matmul, a forward's
-    accumulating ones (x += o(...), x += down(...)) included, gives the same bits as without, and
-    a lone weight's rows the same as computed one at a time."""
+    from the end of its share (counted: the test sees it happen), on the AVX-512 passes and on the
+    8-lane ones. Every matmul, a forward's accumulating ones (x += o(...), x += down(...)) and a
+    dense weight's included, gives the same bits as without, and a lone weight's rows the same as
+    computed one at a time."""
     from ddspec.models.loading import load_target
 
     kind = "q4_1a8" if activations == "int8" else "q4_1"
-    if not native.wide_available(kind):
+    if lanes == 16 and not native.wide_available(kind):
         pytest.skip(f"these kernels were built without the AVX-512 passes for {kind}")
+    if lanes == 8 and native.wide_available(kind):
+        before = native.wide_choice()
+        for k in before:
+            native.set_wide(k, [0] * native.WIDE_ROWS)
+        monkeypatch.setattr(native, "tune_wide_on_forward", lambda *a, **k: None)
+        monkeypatch.setattr(native, "choose_wide", lambda *a, **k: None)
     _quantise_dense(monkeypatch)
     torch.set_num_threads(2)
     target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
@@ -612,12 +620,15 @@ def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activatio
     prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
     x = torch.randn(9, 96, generator=gen)
 
+    dense = native.NativeWeight.dense(torch.randn(200, 96, generator=gen))
+
     def run():
         target.reset(40)
         first = target.forward(prefix, torch.arange(13))
         tree = target.forward(tokens, torch.tensor([13, 14, 14, 15, 15]), torch.tensor(
             [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool))
-        return first.logits, tree.logits, tree.features, weight(x)
+        return (first.logits, tree.logits, tree.features, weight(x), weight(x[:1]), weight(x[:2]), dense(x),
+                dense(x[:2]))
 
     native.set_span_delay(0)
     on_time = run()
@@ -626,6 +637,9 @@ def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activatio
         late = run()
     finally:
         taken = native.set_span_delay(0)
+        if lanes == 8 and native.wide_available(kind):
+            for k, g in before.items():
+                native.set_wide(k, g)
     assert taken > 0, "no group was taken from the late thread"
     for a, b in zip(on_time, late):
         assert torch.equal(a, b)

@@ -783,9 +783,9 @@ def set_prefetch(blocks: int) -> None:
 
 
 def set_span_delay(us: int) -> int:
-    """For tests: thread 0 of every matmul on the AVX-512 passes starts ``us`` microseconds late (0: on
+    """For tests: thread 0 of every quantised or dense matmul starts ``us`` microseconds late (0: on
     time), so that the other threads take its groups (the kernels' work stealing); returns how many
-    groups were taken from another thread while a delay was set, since the last call."""
+    units of groups were taken from another thread while a delay was set, since the last call."""
     lib = library()
     if lib is None:
         raise ValueError("the native kernels are not built here")

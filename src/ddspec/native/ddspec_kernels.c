@@ -121,9 +121,10 @@ static inline void thread_groups(int64_t groups, int64_t *g0, int64_t *g1) {
 
 /* Work stealing between a matmul's threads. On a shared machine one core can run slower than
  * the other for a while (a neighbour on its sibling hyperthread): with groups split statically
- * the faster thread then waits at the barrier. Each thread starts with thread_groups' range and
- * takes G groups at a time from its front; once its range is done it takes G groups at a time
- * from the end of another thread's. Which thread computes a group never changes a result (every
+ * the faster thread then waits at the barrier. Each thread starts with thread_groups' share of a
+ * matmul's units (G groups on the AVX-512 passes; a group, a pair or a triple of groups on the
+ * 8-lane ones) and takes G of them at a time from its front; once its share is done it takes G at
+ * a time from the end of another thread's. Which thread computes a group never changes a result (every
  * output is one thread's sum in a fixed order), so the bits are the same. A span packs a range
  * [front, end) of groups, front in the low 32 bits, and is changed by compare-and-swap only; the
  * spans belong to the enclosing parallel region (dd_spans, set by each of its threads; NULL:
@@ -148,7 +149,7 @@ static inline void span_start(int64_t groups) {
             ;
 }
 
-/* The next groups [*g, *g + return) for this thread, at most G of them; 0 when none is left. Without
+/* The next units [*g, *g + return) for this thread, at most G of them; 0 when none is left. Without
  * spans, `*g` walks this thread's static range (the caller sets it to -1 first). */
 static inline int64_t span_next(int64_t groups, int64_t G, int64_t *g) {
     if (!dd_spans) {
@@ -694,8 +695,8 @@ DD_SHARED void qgemm_shared_##KIND(const dd_weight *W, const float *x, int64_t n
     WIDE_CALL(KIND_ID, KIND)                                                                               \
     if (n == 1) { /* three groups per pass: six FMA chains hide the FMA latency */                  \
         const int64_t triples = (groups + 2) / 3;                                                   \
-_Pragma("omp for schedule(static)")                                                                 \
-        for (int64_t t = 0; t < triples; t++) {                                                     \
+        span_start(triples);                                                                        \
+        for (int64_t t = -1; span_next(triples, 1, &t) > 0;) {                                      \
             const int64_t g = 3 * t;                                                                \
             if (g + 3 <= groups) {                                                                  \
                 qpass_##KIND##_1x3(W, g, x, sx, y, acc);                                            \
@@ -707,8 +708,8 @@ _Pragma("omp for schedule(static)")                                             
         }                                                                                           \
     } else if (n == 2) { /* two groups per pass (measured: with 3 rows, one group per pass is faster) */ \
         const int64_t pairs = (groups + 1) / 2;                                                     \
-_Pragma("omp for schedule(static)")                                                                 \
-        for (int64_t p = 0; p < pairs; p++) {                                                       \
+        span_start(pairs);                                                                          \
+        for (int64_t p = -1; span_next(pairs, 1, &p) > 0;) {                                        \
             const int64_t g = 2 * p;                                                                \
             if (g + 2 > groups) {                                                                   \
                 qgroup_##KIND(W, g, x, n, sx, y, ldy, acc);                                         \
@@ -717,11 +718,12 @@ _Pragma("omp for schedule(static)")                                             
             }                                                                                       \
         }                                                                                           \
     } else {                                                                                        \
-_Pragma("omp for schedule(static)")                                                                 \
-        for (int64_t g = 0; g < groups; g++) {                                                      \
+        span_start(groups);                                                                         \
+        for (int64_t g = -1; span_next(groups, 1, &g) > 0;) {                                       \
             qgroup_##KIND(W, g, x, n, sx, y, ldy, acc);                                             \
         }                                                                                           \
     }                                                                                               \
+_Pragma("omp barrier")                                                                              \
     free(sx);                                                                                       \
 }
 
@@ -925,13 +927,14 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     }
 #endif
     const int64_t tiles = (n + tile - 1) / tile;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
+    span_start(groups);
+    for (int64_t g = -1; span_next(groups, 1, &g) > 0;)
         for (int64_t t = 0, r = 0; t < tiles; t++) {
             const int64_t rows = n / tiles + (t < n % tiles);
             passes[rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, y + r * ldy, ldy, acc);
             r += rows;
         }
+#pragma omp barrier
     a8_free(share, qx, dx, sq);
 }
 
@@ -1183,16 +1186,18 @@ DD_SHARED void dense_gemm_shared_##KIND(const dd_weight *W, const float *x, int6
     const int64_t groups = (W->out + 15) / 16, pairs = (groups + 1) / 2;                            \
     if (n > BUFFER_FROM && W->in % 32 == 0) { /* many rows: read (and rebuild) each block once */  \
         float *sums = malloc(sizeof(float) * 16 * (size_t)n);                                       \
-_Pragma("omp for schedule(static)")                                                                 \
-        for (int64_t g = 0; g < groups; g++) buffered_##KIND(W, g, x, n, y, ldy, acc, sums);        \
+        span_start(groups);                                                                         \
+        for (int64_t g = -1; span_next(groups, 1, &g) > 0;) buffered_##KIND(W, g, x, n, y, ldy, acc, sums); \
+_Pragma("omp barrier")                                                                              \
         free(sums);                                                                                 \
         return;                                                                                     \
     }                                                                                               \
-_Pragma("omp for schedule(static)")                                                                 \
-    for (int64_t p = 0; p < pairs; p++) {                                                           \
+    span_start(pairs);                                                                              \
+    for (int64_t p = -1; span_next(pairs, 1, &p) > 0;) {                                            \
         const int64_t g = 2 * p;                                                                    \
         groups_##KIND(W, g, g + 1 < groups ? 2 : 1, x, n, y, ldy, acc);                             \
     }                                                                                               \
+_Pragma("omp barrier")                                                                              \
 }
 
 #if DD_HAS(3)
@@ -1209,8 +1214,8 @@ DGEMM(bf16)
 #endif
 
 #if DD_HAS(6)
-/* y [n, out] (+)= x [n, in] @ W^T; pairs of output groups are shared among the threads of the
- * enclosing parallel region (an orphaned `omp for`: also correct when called outside one). */
+/* y [n, out] (+)= x [n, in] @ W^T; output groups are shared among the threads of the enclosing
+ * parallel region (see dd_span; also correct when called outside one), which end with a barrier. */
 static void gemm_shared(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     if (W->kind == DD_Q4_1) qgemm_shared_q4_1(W, x, n, y, ldy, acc);
     else if (W->kind == DD_Q4_1_A8) a8gemm_shared_q4_1(W, x, n, y, ldy, acc);
@@ -1309,7 +1314,7 @@ DD_HIDDEN __thread dd_span *dd_spans;
 DD_HIDDEN int dd_span_delay_us = 0;
 DD_HIDDEN int64_t dd_groups_taken = 0;
 
-/* For tests: thread 0 of every matmul on the AVX-512 passes starts `us` microseconds late (0: not
+/* For tests: thread 0 of every quantised or dense matmul starts `us` microseconds late (0: not
  * at all), so that the other threads take its groups; returns the groups taken from another
  * thread's span while a delay was set, since the last call. */
 int64_t dd_set_span_delay(int us) {
