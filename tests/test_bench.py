@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -441,3 +442,41 @@ def test_target_bench_long_context_rows(tiny_dirs, monkeypatch):
     assert cells[:2] == ["native", "fp32"] and len(cells) == 8
     times, ratios = [float(c) for c in cells[2:5] + cells[7:]], [float(c.rstrip("x")) for c in cells[5:7]]
     assert all(t >= 0 for t in times) and all(r > 0 for r in ratios)  # a tiny model's times round to 0.0
+
+
+def test_the_phase_profile_splits_a_forward_into_its_layers_phases(tiny_dirs):
+    """``python -m ddspec.bench.phases`` runs on the profiling build of the kernels (its own process
+    and build id) and prints each phase's time: none negative, their sum the layers' total, which
+    is part of the forward's wall time."""
+    import subprocess
+    import sys
+
+    from ddspec import native
+
+    if not native.available():
+        pytest.skip("no native kernels here")
+    env = dict(os.environ, DDSPEC_KERNEL="native")
+    env.pop(native.PROFILE_ENV, None)
+    run = subprocess.run([sys.executable, "-m", "ddspec.bench.phases", "--model", str(tiny_dirs["llama"]),
+                          "--activations", "fp32", "--sizes", "3,1", "--prefix", "9", "--reps", "3"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr
+    rows = {}
+    for line in run.stdout.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 3 and cells[0] not in ("phase (ms)", "---") and not cells[1].endswith("x"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    assert "N = 1 | N = 3" in run.stdout  # the sizes in order
+    for i in range(2):
+        phases = [rows[name][i] for name in native.PHASES]
+        assert min(phases) >= 0
+        assert sum(phases) == pytest.approx(rows["**layers (sum)**"][i], abs=2e-3)
+        assert 0 < rows["**layers (sum)**"][i] < rows["**forward**"][i]
+
+
+def test_the_phase_profile_refuses_bad_sizes(capsys):
+    from ddspec.bench.phases import main as phases_main
+
+    with pytest.raises(SystemExit):
+        phases_main(["--sizes", "1,two"])
+    assert "--sizes '1,two'" in capsys.readouterr().err

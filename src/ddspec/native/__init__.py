@@ -147,8 +147,17 @@ def _compiles(compiler: str, options: list[str]) -> bool:
     return ok
 
 
+PROFILE_ENV = "DDSPEC_PROFILE"  # 1: build and load the profiling variant of the kernels (-DDD_PROFILE)
+
+
+def profiling() -> bool:
+    """Whether this process uses the profiling build (``DDSPEC_PROFILE=1``: each decoder layer's
+    phases counted in cycles, see ``python -m ddspec.bench.phases``); the same results, its own build id."""
+    return os.environ.get(PROFILE_ENV, "").strip() == "1"
+
+
 def build_flags() -> list[str]:
-    return FLAGS + vnni_flags() + wide_flags()
+    return FLAGS + vnni_flags() + wide_flags() + (["-DDD_PROFILE"] if profiling() else [])
 
 
 # AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE) and, with
@@ -382,6 +391,11 @@ def library() -> ctypes.CDLL | None:
     lib.dd_get_prefetch.restype = ctypes.c_int
     lib.dd_set_span_delay.argtypes = [ctypes.c_int]
     lib.dd_set_span_delay.restype = ctypes.c_int64
+    if profiling():
+        lib.dd_phases.argtypes = [ctypes.c_void_p]
+        lib.dd_phases.restype = ctypes.c_int
+        lib.dd_cycles.argtypes = []
+        lib.dd_cycles.restype = ctypes.c_uint64
     _lib = lib
     return lib
 
@@ -780,6 +794,28 @@ def set_prefetch(blocks: int) -> None:
     lib = library()
     if lib is None or lib.dd_set_prefetch(int(blocks)):
         raise ValueError(f"cannot prefetch {blocks} blocks ahead (0 .. 256, with the kernels built)")
+
+
+PHASES = ("norm", "q/k/v", "RoPE + cache", "attention", "o", "post norm", "gate/up", "SiLU", "down")
+
+
+def phase_cycles() -> list[float]:
+    """The profiling build's cycle counts per decoder-layer phase (:data:`PHASES`, thread 0, each up to
+    the barrier that ends it) since the last call, summed over layers and forwards; then zeroed."""
+    lib = library()
+    if lib is None or not profiling():
+        raise ValueError(f"no profiling build loaded: run with {PROFILE_ENV}=1 (python -m ddspec.bench.phases does)")
+    out = (ctypes.c_double * len(PHASES))()
+    lib.dd_phases(ctypes.addressof(out))
+    return list(out)
+
+
+def cycles() -> int:
+    """The CPU's time-stamp counter (the profiling build only)."""
+    lib = library()
+    if lib is None or not profiling():
+        raise ValueError(f"no profiling build loaded: run with {PROFILE_ENV}=1")
+    return int(lib.dd_cycles())
 
 
 def set_span_delay(us: int) -> int:

@@ -1573,6 +1573,32 @@ static void to_half(uint16_t *dst, const float *src, int64_t D) {
     for (; d < D; d++) dst[d] = _cvtss_sh(src[d], _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* A profiling build (-DDD_PROFILE, `python -m ddspec.bench.phases`) counts the cycles of each phase
+ * of a decoder layer on thread 0, between the barriers that end them (so a phase's count includes
+ * its wait for the slowest thread), summed over layers and calls until dd_phases() reads them. The
+ * default build compiles PHASE to nothing. */
+enum { DD_PHASES = 9 }; /* norm, q/k/v, RoPE and cache, attention, o, post norm, gate/up, SiLU, down */
+#ifdef DD_PROFILE
+#include <x86intrin.h>
+static double dd_phase_cycles[DD_PHASES];
+static uint64_t dd_phase_mark;
+#define PHASE_START() do { if (omp_get_thread_num() == 0) dd_phase_mark = __rdtsc(); } while (0)
+#define PHASE(k) do { if (omp_get_thread_num() == 0) { const uint64_t now_ = __rdtsc(); \
+        dd_phase_cycles[k] += (double)(now_ - dd_phase_mark); dd_phase_mark = now_; } } while (0)
+/* Copies the phases' cycle counts into out[0 .. DD_PHASES) and zeroes them; returns DD_PHASES. */
+int dd_phases(double *out) {
+    for (int i = 0; i < DD_PHASES; i++) out[i] = dd_phase_cycles[i], dd_phase_cycles[i] = 0.0;
+    return DD_PHASES;
+}
+/* The time-stamp counter, to convert the counts to seconds. */
+uint64_t dd_cycles(void) {
+    return __rdtsc();
+}
+#else
+#define PHASE_START() ((void)0)
+#define PHASE(k) ((void)0)
+#endif
+
 static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
     const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
     return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
@@ -1600,6 +1626,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
 #pragma omp parallel num_threads(nthreads)
     {
         dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
+        PHASE_START();
         /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
@@ -1608,7 +1635,9 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
             else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
         }
+        PHASE(0);
         gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
+        PHASE(1);
         /* 2. RoPE on q and k; keys and values into the cache */
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n * (nh + nkv); j++) {
@@ -1628,6 +1657,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
                 }
             }
         }
+        PHASE(2);
         /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
         const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
         if (kv_half && rows)
@@ -1638,11 +1668,15 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
         else
             attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
+        PHASE(3);
         /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
         gemm_shared(&L->o, attn, n, x, H, 1);
+        PHASE(4);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
+        PHASE(5);
         gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
+        PHASE(6);
         /* in units of 256 columns, so that one token's row is shared too (each column alone, and
          * the same columns take the 8-lane path as with whole rows: the same bits) */
         const int64_t chunks = (I + 255) / 256;
@@ -1660,7 +1694,9 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             }
             for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
         }
+        PHASE(7);
         gemm_shared(&L->down, act, n, x, H, 1);
+        PHASE(8);
         dd_spans = NULL;
     }
     return 0;
