@@ -88,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddspec import native
 
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m ddspec.bench.phases", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="the target (default: the default model)")
     ap.add_argument("--activations", default="int8", choices=("fp32", "int8"), help="default int8")
     ap.add_argument("--sizes", default="1,2,4,8", help="new tokens per forward, comma-separated (default 1,2,4,8)")
     ap.add_argument("--prefix", type=int, default=200, help="cached tokens before each forward (default 200)")
     ap.add_argument("--reps", type=int, default=15, help="timed rounds, the sizes interleaved (default 15)")
-    ap.add_argument("--threads", type=int, default=core_count())
+    ap.add_argument("--threads", type=int, default=core_count(), help="threads (default: the core count)")
     args = ap.parse_args(argv)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
