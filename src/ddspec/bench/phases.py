@@ -4,8 +4,9 @@ The forward over N new tokens on the native kernels is one C call for all the de
 native/ddspec_kernels.c). This tool loads a profiling build of those kernels (compiled once and
 cached beside the normal one, with ``-DDD_PROFILE``: thread 0 reads the CPU's time-stamp counter
 at the barrier that ends each phase of each layer) and times forwards over N tokens after a
-prefix, the sizes interleaved round by round and each forward after two untimed one-token ones
-(as decoding steps follow each other). It prints, per N, the median milliseconds of each phase
+prefix as ``make bench`` times its forward curve (bench.target.forward_times: the sizes
+interleaved round by round, each forward after untimed one-token ones, as decoding steps follow
+each other). It prints, per N, the median milliseconds of each phase
 summed over the layers, the layers' total, the rest of the forward (the lm_head, the final norm,
 Python) and the forward itself. A phase's time includes its wait for the slower thread at its
 barrier. The profiling build computes the same bits as the normal one; only its counters differ.
@@ -27,45 +28,43 @@ import torch
 from ddspec.machine import core_count
 
 
-def forward_phases(target, prefix: int, sizes: list[int], reps: int, seed: int = 0) -> dict[int, dict[str, float]]:
-    """Median ms per phase (native.PHASES), ``layers``, ``rest`` and ``forward`` for each size."""
+def forward_phases(target, prefix: int, sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
+    """Median ms per phase (native.PHASES), ``layers``, ``rest`` and ``forward`` for each size, the
+    forwards timed as ``bench.target.forward_times`` times them (same prefix, order and settling)."""
     from ddspec import native
+    from ddspec.bench.target import prefixed_forwards
+    from ddspec.calibrate import size_groups
+    from ddspec.machine import interleaved_medians
 
-    gen = torch.Generator().manual_seed(seed)
-    vocab = target.info.vocab_size
-    target.reset(prefix + max(sizes) + 1)
-    target.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
-    target.commit(torch.arange(prefix))
-    inputs = {n: (torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_())
-              for n in sorted(set(sizes) | {1})}
     a, t0 = native.cycles(), time.perf_counter()
     time.sleep(0.2)
     hz = (native.cycles() - a) / (time.perf_counter() - t0)
+    run, settle = prefixed_forwards(target, prefix, sizes)
+    samples: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in sizes}  # (wall ms, phase ms)
 
-    def forward(n: int) -> float:
-        target.truncate(prefix)
+    def setup(n: int) -> None:
+        settle(n)
+        native.phase_cycles()  # zero the counters
+
+    def timed(n: int) -> None:
         t = time.perf_counter()
-        target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1] if n > 1 else None)
-        return time.perf_counter() - t
+        run(n)
+        wall = (time.perf_counter() - t) * 1e3
+        samples[n].append((wall, [c / hz * 1e3 for c in native.phase_cycles()]))
 
-    samples: dict[int, dict[str, list[float]]] = {n: {} for n in sizes}
-    for r in range(reps + 1):  # the first round warms up
-        for n in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
-            forward(1)
-            forward(1)
-            native.phase_cycles()  # zero the counters
-            wall = forward(n)
-            ms = [c / hz * 1e3 for c in native.phase_cycles()]
-            if r == 0:
-                continue
-            row = samples[n]
-            for name, v in zip(native.PHASES, ms):
-                row.setdefault(name, []).append(v)
-            row.setdefault("layers", []).append(sum(ms))
-            row.setdefault("rest", []).append(wall * 1e3 - sum(ms))
-            row.setdefault("forward", []).append(wall * 1e3)
+    for group in size_groups(sizes):
+        if group:
+            interleaved_medians(group, timed, reps, setup=setup)
     target.truncate(prefix)
-    return {n: {k: statistics.median(v) for k, v in row.items()} for n, row in samples.items()}
+    result = {}
+    for n, got in samples.items():
+        got = got[1:]  # the warm-up round's
+        row = {name: statistics.median(ms[i] for _, ms in got) for i, name in enumerate(native.PHASES)}
+        row["layers"] = statistics.median(sum(ms) for _, ms in got)
+        row["rest"] = statistics.median(wall - sum(ms) for wall, ms in got)
+        row["forward"] = statistics.median(wall for wall, _ in got)
+        result[n] = row
+    return result
 
 
 def table(result: dict[int, dict[str, float]]) -> list[str]:

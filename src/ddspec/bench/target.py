@@ -182,8 +182,25 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     a forward runs slower for a while after a large one, and interleaved with them the int8
     model's T(1) here read 5.0 ms against 3.5-3.7 ms in decoding (Intel Xeon family 6 model 167),
     which made T(8) / T(1) look 1.41 instead of about 1.9."""
-    from ddspec.calibrate import SETTLE, size_groups
+    from ddspec.calibrate import size_groups
     from ddspec.machine import interleaved_medians
+
+    run, settle = prefixed_forwards(target, prefix, sizes)
+    medians = {}
+    for group in size_groups(sizes):
+        if group:
+            medians.update(interleaved_medians(group, run, reps, setup=settle))
+    target.truncate(prefix)
+    return {n: medians[n] * 1e3 for n in sizes}
+
+
+def prefixed_forwards(target, prefix: int, sizes):
+    """``(run, settle)`` for timing forwards after a random ``prefix``-token prompt, which this puts
+    in the target's cache: ``run(n)`` is the forward over n new random tokens (causal among
+    themselves; a GPU's work done before it returns), ``settle(n)`` the :data:`~ddspec.calibrate.SETTLE`
+    untimed one-token forwards that go before each timed one (as decoding steps follow each
+    other), each from the prefix, which it leaves in place for ``run``."""
+    from ddspec.calibrate import SETTLE
 
     gen = torch.Generator().manual_seed(0)
     vocab = target.info.vocab_size
@@ -192,6 +209,7 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
     target.commit(torch.arange(prefix))
     inputs = {n: (torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_())
               for n in sizes}
+
     def run(n: int) -> None:
         target.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
         device_sync(target.device)  # a GPU's work done inside the timing
@@ -204,12 +222,7 @@ def forward_times(target, prefix: int, sizes=SIZES, reps: int = 15) -> dict[int,
 
     if 1 not in inputs:
         inputs[1] = (torch.randint(0, vocab, (1,), generator=gen), torch.ones(1, 1, dtype=torch.bool))
-    medians = {}
-    for group in size_groups(sizes):
-        if group:
-            medians.update(interleaved_medians(group, run, reps, setup=settle))
-    target.truncate(prefix)
-    return {n: medians[n] * 1e3 for n in sizes}
+    return run, settle
 
 
 LONG_CONTEXT = 2000  # the long-context rows: forwards after this many cached tokens, and a prompt this long
