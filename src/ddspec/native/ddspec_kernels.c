@@ -3,8 +3,8 @@
  *
  * Why: on a 2-core CPU a target forward over 1-16 tokens is dominated by two things torch
  * cannot fix from Python: reading 4-byte weights that the model ships as 4.5-bit GGUF blocks,
- * and ~40 small ops per layer, each paying dispatch and thread wake-up. Here a layer is one
- * OpenMP region and a forward's layers are one call. A Q4_1 / Q8_0 weight is read in its GGUF
+ * and ~40 small ops per layer, each paying dispatch and thread wake-up. Here a forward's layers
+ * are one call and one OpenMP region, their phases separated by a barrier of our own (dd_sync). A Q4_1 / Q8_0 weight is read in its GGUF
  * blocks: per block of 32 inputs the kernel sums x*q over the integer levels and applies the
  * block's scale and minimum once (d * sum(x*q) + m * sum(x)), which is the product with the
  * dequantised weights (gguf-py's w = d*q + m) rearranged: it agrees with the fp32 model's
@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <sched.h>
 
 enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8 = 5, DD_Q8_0_A8 = 6 };
 
@@ -185,6 +186,43 @@ static inline int64_t span_next(int64_t groups, int64_t G, int64_t *g) {
         }
     }
     return 0;
+}
+
+/* The barrier between the phases of a parallel region. OpenMP's (an explicit barrier or the end of
+ * a worksharing loop) took 0.53-0.57 us per crossing on 2 threads of an Intel Xeon (a C loop of
+ * 100,000), a counter and a generation word 0.09-0.10 us; a layer crosses about 11 of them. The
+ * regions that set dd_bars (dd_layers_forward, dd_gemm: the counter lives on the stack of the
+ * thread that opens the region, like the spans) cross this one; elsewhere (dd_bars NULL) OpenMP's.
+ * Each arriving thread adds one to count (acquire-release, so the last one to arrive has seen
+ * every thread's writes before the barrier); the last resets it and publishes a new generation
+ * (release), for which the others wait (acquire). A waiting thread spins, and after DD_SPINS
+ * rounds yields its core (more threads than cores). Every thread of the region must cross the
+ * same barriers, as with OpenMP's. */
+typedef struct {
+    _Alignas(64) uint32_t count;
+    _Alignas(64) uint32_t gen;
+    void *slot[3]; /* pointers one thread hands the others across a barrier (a8_gemm's shared rows) */
+} dd_bar;
+#define DD_SPINS 4096
+extern DD_HIDDEN __thread dd_bar *dd_bars;
+
+static inline void dd_sync(void) {
+    dd_bar *b = dd_bars;
+    if (!b) {
+#pragma omp barrier
+        return;
+    }
+    const uint32_t threads = (uint32_t)omp_get_num_threads();
+    const uint32_t gen = __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == threads) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->gen, gen + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&b->gen, __ATOMIC_ACQUIRE) == gen; spins++) {
+        if (spins < DD_SPINS) _mm_pause();
+        else sched_yield();
+    }
 }
 
 /* Group g's 16 weights at input k of a dense weight (fp32, or fp16 / bf16 holding fp32 values
@@ -671,7 +709,7 @@ typedef void (*wide_pass)(const dd_weight *W, int64_t g, const float *x, int64_t
                 r += rows;                                                                          \
             }                                                                                       \
         }                                                                                           \
-_Pragma("omp barrier")                                                                              \
+    dd_sync();                                                                                      \
     }
 #define WIDE_CALL(KIND_ID, KIND)                                                                      \
     if (wide_groups(KIND_ID, n)) {                                                                  \
@@ -723,7 +761,7 @@ DD_SHARED void qgemm_shared_##KIND(const dd_weight *W, const float *x, int64_t n
             qgroup_##KIND(W, g, x, n, sx, y, ldy, acc);                                             \
         }                                                                                           \
     }                                                                                               \
-_Pragma("omp barrier")                                                                              \
+    dd_sync();                                                                                      \
     free(sx);                                                                                       \
 }
 
@@ -855,8 +893,7 @@ static void a8_alloc(int64_t n, int64_t in, int with_sq, int8_t **qx, float **dx
 /* Frees them after the last pass: each thread its own, or one thread the shared ones. */
 static void a8_free(int shared, int8_t *qx, float *dx, int32_t *sq) {
     if (shared) {
-#pragma omp single nowait
-        {
+        if (omp_get_thread_num() == 0) {
             free(sq);
             free(qx);
             free(dx);
@@ -891,7 +928,14 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     int8_t *qx = NULL;
     float *dx = NULL;
     int32_t *sq = NULL;
-    if (share) {
+    if (share && dd_bars) { /* thread 0 allocates, and hands the pointers over across a barrier */
+        if (omp_get_thread_num() == 0) {
+            a8_alloc(n, in, with_sq, &qx, &dx, &sq);
+            dd_bars->slot[0] = qx, dd_bars->slot[1] = dx, dd_bars->slot[2] = sq;
+        }
+        dd_sync();
+        qx = dd_bars->slot[0], dx = dd_bars->slot[1], sq = dd_bars->slot[2];
+    } else if (share) {
 #pragma omp single copyprivate(qx, dx, sq)
         a8_alloc(n, in, with_sq, &qx, &dx, &sq);
     } else {
@@ -899,11 +943,12 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     }
     float *sx = dx + n * nb;
     if (share) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < n; r++) {
             quantise_rows_a8(x + r * in, 1, in, qx + r * in, dx + r * nb, sq ? sq + r * nb : NULL);
             if (W->kind == DD_Q4_1_A8) block_sums(x + r * in, 1, in, sx + r * nb);
         }
+        dd_sync();
     } else {
         quantise_rows_a8(x, n, in, qx, dx, sq);
         if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
@@ -921,7 +966,7 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
                 r += rows;
             }
         }
-#pragma omp barrier
+        dd_sync();
         a8_free(share, qx, dx, sq);
         return;
     }
@@ -934,7 +979,7 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
             passes[rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, y + r * ldy, ldy, acc);
             r += rows;
         }
-#pragma omp barrier
+    dd_sync();
     a8_free(share, qx, dx, sq);
 }
 
@@ -1188,7 +1233,7 @@ DD_SHARED void dense_gemm_shared_##KIND(const dd_weight *W, const float *x, int6
         float *sums = malloc(sizeof(float) * 16 * (size_t)n);                                       \
         span_start(groups);                                                                         \
         for (int64_t g = -1; span_next(groups, 1, &g) > 0;) buffered_##KIND(W, g, x, n, y, ldy, acc, sums); \
-_Pragma("omp barrier")                                                                              \
+    dd_sync();                                                                                      \
         free(sums);                                                                                 \
         return;                                                                                     \
     }                                                                                               \
@@ -1197,7 +1242,7 @@ _Pragma("omp barrier")                                                          
         const int64_t g = 2 * p;                                                                    \
         groups_##KIND(W, g, g + 1 < groups ? 2 : 1, x, n, y, ldy, acc);                             \
     }                                                                                               \
-_Pragma("omp barrier")                                                                              \
+    dd_sync();                                                                                      \
 }
 
 #if DD_HAS(3)
@@ -1311,6 +1356,7 @@ int64_t dd_read_sum(const uint8_t *p, int64_t bytes, int nthreads) {
 }
 
 DD_HIDDEN __thread dd_span *dd_spans;
+DD_HIDDEN __thread dd_bar *dd_bars;
 DD_HIDDEN int dd_span_delay_us = 0;
 DD_HIDDEN int64_t dd_groups_taken = 0;
 
@@ -1325,11 +1371,14 @@ int64_t dd_set_span_delay(int us) {
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
     dd_span spans[DD_MAX_SPANS] = {{0}};
+    dd_bar bar = {0};
 #pragma omp parallel num_threads(nthreads)
     {
         dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
+        dd_bars = &bar;
         gemm_shared(W, x, n, y, W->out, 0);
         dd_spans = NULL;
+        dd_bars = NULL;
     }
     return 0;
 }
@@ -1604,42 +1653,47 @@ static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
     return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
 }
 
-/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden].
- * k/v caches: [kv_heads, tmax, head_dim] for this layer, fp32, or fp16 with kv_half (each new key
- * and value rounded to the nearest fp16 as it is written, before any row attends to it); the new
- * keys and values are written at slots [start, start + n). mask: [n, start + n] (1 = attend) or
- * NULL to attend to all of them. cos/sin: [max_position, head_dim]. Returns 0, or 1 when a size is
- * out of range. */
-static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
-                             const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
-                             const uint8_t *mask, int causal, int nthreads, const float *extra, float *buf,
-                             int kv_half) {
+/* 0 when layer L can run n new tokens after `start` cached ones (tmax slots), else 1 (a size out
+ * of range) or 3 (it reads extra inputs and none were given). */
+static int layer_check(const dd_layer *L, int64_t n, int64_t tmax, int64_t start, const float *extra) {
+    const int64_t H = L->hidden, D = L->head_dim, E = L->extra;
+    const int64_t wqkv = (L->heads + 2 * L->kv_heads) * D;
+    if (D > 512 || start + n > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * L->inter) return 1;
+    if (E > 0 && !extra) return 3;
+    return 0;
+}
+
+/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden], run by every
+ * thread of the enclosing parallel region (dd_layers_forward's; layer_check passed), which ends
+ * at a barrier. k/v caches: [kv_heads, tmax, head_dim] for this layer, fp32, or fp16 with kv_half
+ * (each new key and value rounded to the nearest fp16 as it is written, before any row attends to
+ * it); the new keys and values are written at slots [start, start + n). mask: [n, start + n] (1 =
+ * attend) or NULL to attend to all of them. cos/sin: [max_position, head_dim]. buf: the scratch
+ * (layer_scratch floats), shared by the threads. */
+static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                              const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
+                              const uint8_t *mask, int causal, const float *extra, float *buf, int kv_half) {
     const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
     const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
-    if (D > 512 || T > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * I) return 1;
-    if (E > 0 && !extra) return 3;
     float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = 1.0f / sqrtf((float)D);
-    dd_span spans[DD_MAX_SPANS] = {{0}};
-
-#pragma omp parallel num_threads(nthreads)
     {
-        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
         PHASE_START();
         /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < n; i++) {
             float *hi = h + i * (H + E);
             if (E) memcpy(hi, extra + i * E, sizeof(float) * (size_t)E);
             if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
             else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
         }
+        dd_sync();
         PHASE(0);
         gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
         PHASE(1);
         /* 2. RoPE on q and k; keys and values into the cache */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t j = 0; j < n * (nh + nkv); j++) {
             const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
             float *v = qkv + i * wqkv + head * D;
@@ -1657,6 +1711,7 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
                 }
             }
         }
+        dd_sync();
         PHASE(2);
         /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
         const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
@@ -1672,15 +1727,16 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
         /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
         gemm_shared(&L->o, attn, n, x, H, 1);
         PHASE(4);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
+        dd_sync();
         PHASE(5);
         gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
         PHASE(6);
         /* in units of 256 columns, so that one token's row is shared too (each column alone, and
          * the same columns take the 8-lane path as with whole rows: the same bits) */
         const int64_t chunks = (I + 255) / 256;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t unit = 0; unit < n * chunks; unit++) {
             const int64_t i = unit / chunks, c0 = unit % chunks * 256, c1 = c0 + 256 < I ? c0 + 256 : I;
             const float *g = gu + i * 2 * I, *u = g + I;
@@ -1694,12 +1750,11 @@ static int layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64
             }
             for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
         }
+        dd_sync();
         PHASE(7);
         gemm_shared(&L->down, act, n, x, H, 1);
         PHASE(8);
-        dd_spans = NULL;
     }
-    return 0;
 }
 
 /* Whether mask [n, start + n] is the causal one: row i sees keys [0, start + i] and no other (a
@@ -1715,9 +1770,10 @@ static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
     return 1;
 }
 
-/* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each), layer i
- * using the cache at kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per forward instead of
- * one per layer; extra: [n, extra] for the layers that read one (NULL when none does); capture:
+/* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each, all in one
+ * parallel region: opening one took about 1.4 us per layer), layer i using the cache at
+ * kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per
+ * forward instead of one per layer; every layer is checked (layer_check) before any runs; extra: [n, extra] for the layers that read one (NULL when none does); capture:
  * NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
  * layer i (the residual streams a draft head reads); final_norm: NULL, or the weights [H] of an
  * RMSNorm (epsilon final_eps) applied to each row of x after the last layer, in place (a model's
@@ -1733,19 +1789,33 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
         const int64_t need = layer_scratch(layers + i, n, start + n);
         size = need > size ? need : size;
     }
+    for (int64_t i = 0; i < count; i++) {
+        const int rc = layer_check(layers + i, n, tmax, start, extra);
+        if (rc) return rc + 8 * (int)i;
+    }
     float *buf = malloc(sizeof(float) * (size_t)(size + 1));
     if (!buf) return 2;
     const int causal = is_causal(mask, n, start);
-    int rc = 0;
-    for (int64_t i = 0; i < count && !rc; i++) {
-        if (capture && capture[i]) memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
-        const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
-        rc = layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at,
-                               tmax, start, mask, causal, nthreads, extra, buf, kv_half);
-        if (rc) rc += 8 * (int)i;
+    dd_span spans[DD_MAX_SPANS] = {{0}};
+    dd_bar bar = {0};
+#pragma omp parallel num_threads(nthreads)
+    {
+        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
+        dd_bars = &bar;
+        for (int64_t i = 0; i < count; i++) {
+            /* x is only read until the layer's o matmul, after the q/k/v matmul's barrier, which
+             * this thread crosses after the copy */
+            if (capture && capture[i] && omp_get_thread_num() == 0)
+                memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
+            const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
+            layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start, mask,
+                              causal, extra, buf, kv_half);
+        }
+        dd_spans = NULL;
+        dd_bars = NULL;
     }
     free(buf);
-    if (!rc && final_norm && count > 0) {
+    if (final_norm && count > 0) {
         const int64_t H = layers[0].hidden;
         float *row = malloc(sizeof(float) * (size_t)H);
         if (!row) return 2;
@@ -1755,6 +1825,6 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
         }
         free(row);
     }
-    return rc;
+    return 0;
 }
 #endif /* DD_HAS(6) */
