@@ -419,14 +419,14 @@ def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
     for r in range(13):
         assert torch.equal(y[r], fast(x[r:r + 1])[0])
     try:
-        for rows in (0, 1, 14):  # the rows rounded by every thread, or once and shared (13 rows: from 8 on)
+        for rows in (0, 1, 14):  # the rows rounded by every thread, or once and shared (13 rows: from 3 on, the default)
             native.set_share_rows(rows)
             assert torch.equal(fast(x), y), f"sharing the rounding from {rows} rows"
         torch.set_num_threads(1)
         assert torch.equal(fast(x), y)
     finally:
         torch.set_num_threads(2)
-        native.set_share_rows(8)
+        native.set_share_rows(3)
     with pytest.raises(ValueError, match="share the rounding"):
         native.set_share_rows(-1)
 

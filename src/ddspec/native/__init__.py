@@ -781,7 +781,7 @@ PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the quantised passes of 3 row
 
 def set_share_rows(rows: int) -> None:
     """From ``rows`` rows on (0: never) the 8-bit-activation matmuls round their rows once, shared
-    among the threads, instead of once per thread; the same bits either way (default 8)."""
+    among the threads, instead of once per thread; the same bits either way (default 3)."""
     lib = library()
     if lib is None or lib.dd_set_share_rows(int(rows)):
         raise ValueError(f"cannot share the rounding from {rows} rows (0 or more, with the kernels built)")

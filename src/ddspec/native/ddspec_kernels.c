@@ -1548,10 +1548,13 @@ DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1
 DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
 #endif
 DD_HIDDEN int dd_prefetch_blocks = 0;
-/* 8: the int8 model's forward after 256 tokens took 0.95-0.97x as long over 8-32 tokens with the rows
- * rounded once (two threads), 0.99x over 6, and 1.02-1.06x over 1-4, where the extra barriers cost more
- * than the rounding saved (Intel Xeon family 6 model 207, interleaved medians of 21) */
-DD_HIDDEN int dd_share_rows = 8;
+/* 3: with OpenMP's barriers (0.55 us a crossing) the int8 model's forward after 256 tokens took
+ * 0.95-0.97x as long over 8-32 tokens with the rows rounded once (two threads), 0.99x over 6 and
+ * 1.02-1.06x over 1-4, where the extra barriers cost more than the rounding saved; with dd_sync's
+ * (0.1 us) sharing from 3 rows on instead of 8 took 0.96x over 3-6 tokens and 1.01x sharing from 2
+ * (Intel Xeon family 6 model 207, after 200 tokens, in one process, medians of per-round ratios of
+ * 40; the 8-lane passes 0.98x over 3-6) */
+DD_HIDDEN int dd_share_rows = 3;
 
 /* From `rows` rows on (0: never), the 8-bit-activation matmuls round their rows once, shared among the
  * threads, instead of each thread rounding every row (which needs no barrier); the same bits either
