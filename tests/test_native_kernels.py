@@ -646,6 +646,41 @@ def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activatio
     assert torch.equal(on_time[3], torch.cat([weight(x[r:r + 1]) for r in range(9)]))
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_more_threads_than_cpus_cross_openmps_barriers_and_give_the_same_bits(tiny_dirs, activations, monkeypatch):
+    """The kernels' own barrier (a spinning one) serves regions of at most as many threads as the
+    process has CPUs; with more, the threads cross OpenMP's barriers instead (and an 8-bit matmul
+    hands its shared rows over through OpenMP from 8 rows): a forward's logits and features, and
+    a lone weight's rows (9: shared), are the same bits either way."""
+    from ddspec.models.loading import load_target
+
+    _quantise_dense(monkeypatch)
+    cpus = len(os.sched_getaffinity(0))
+    weight, _ = quantised("q4_1", 200, 96, seed=5)
+    if activations == "int8":
+        weight = weight.with_int8_activations()
+    gen = torch.Generator().manual_seed(4)
+    prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
+    x = torch.randn(9, 96, generator=gen)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+
+    def run(threads: int):
+        torch.set_num_threads(threads)
+        target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
+        target.reset(40)
+        first = target.forward(prefix, torch.arange(13))
+        tree = target.forward(tokens, torch.tensor([13, 14, 14, 15, 15]), mask)
+        return first.logits, tree.logits, tree.features, weight(x), weight(x[:3])
+
+    try:
+        fitting, more = run(min(2, cpus)), run(cpus + 2)
+    finally:
+        torch.set_num_threads(2)
+    for a, b in zip(fitting, more):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not native.available(), reason="no native kernels here")
 def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
     """The AVX-512 passes' groups (where the build has them) and the prefetch distance (always)."""
