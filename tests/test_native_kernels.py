@@ -591,6 +591,20 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
         native.set_prefetch(-1)
 
 
+def _tree_case(activations: str, seed: int):
+    """A lone Q4_1 weight (200 x 96, with 8-bit activations for int8), a generator, a 13-token
+    prompt, a 5-node tree's tokens, its positions after the prompt and mask, and 9 rows for the
+    weight."""
+    weight, _ = quantised("q4_1", 200, 96, seed=5)
+    if activations == "int8":
+        weight = weight.with_int8_activations()
+    gen = torch.Generator().manual_seed(seed)
+    prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    return weight, gen, prefix, tokens, torch.tensor([13, 14, 14, 15, 15]), mask, torch.randn(9, 96, generator=gen)
+
+
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("lanes", [16, 8])
 def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activations, lanes, monkeypatch):
@@ -613,20 +627,13 @@ def test_groups_taken_from_a_late_thread_give_the_same_bits(tiny_dirs, activatio
     _quantise_dense(monkeypatch)
     torch.set_num_threads(2)
     target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
-    weight, _ = quantised("q4_1", 200, 96, seed=5)
-    if activations == "int8":
-        weight = weight.with_int8_activations()
-    gen = torch.Generator().manual_seed(3)
-    prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
-    x = torch.randn(9, 96, generator=gen)
-
+    weight, gen, prefix, tokens, positions, mask, x = _tree_case(activations, 3)
     dense = native.NativeWeight.dense(torch.randn(200, 96, generator=gen))
 
     def run():
         target.reset(40)
         first = target.forward(prefix, torch.arange(13))
-        tree = target.forward(tokens, torch.tensor([13, 14, 14, 15, 15]), torch.tensor(
-            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool))
+        tree = target.forward(tokens, positions, mask)
         return (first.logits, tree.logits, tree.features, weight(x), weight(x[:1]), weight(x[:2]), dense(x),
                 dense(x[:2]))
 
@@ -656,21 +663,14 @@ def test_more_threads_than_cpus_cross_openmps_barriers_and_give_the_same_bits(ti
 
     _quantise_dense(monkeypatch)
     cpus = len(os.sched_getaffinity(0))
-    weight, _ = quantised("q4_1", 200, 96, seed=5)
-    if activations == "int8":
-        weight = weight.with_int8_activations()
-    gen = torch.Generator().manual_seed(4)
-    prefix, tokens = torch.randint(0, 128, (13,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
-    x = torch.randn(9, 96, generator=gen)
-    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
-                        dtype=torch.bool)
+    weight, _, prefix, tokens, positions, mask, x = _tree_case(activations, 4)
 
     def run(threads: int):
         torch.set_num_threads(threads)
         target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
         target.reset(40)
         first = target.forward(prefix, torch.arange(13))
-        tree = target.forward(tokens, torch.tensor([13, 14, 14, 15, 15]), mask)
+        tree = target.forward(tokens, positions, mask)
         return first.logits, tree.logits, tree.features, weight(x), weight(x[:3])
 
     try:

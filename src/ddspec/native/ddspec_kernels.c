@@ -225,6 +225,18 @@ static inline int dd_bar_fits(int threads) {
     return threads <= c;
 }
 
+/* A region's threads find its spans and barrier through dd_spans / dd_bars: each sets them as the
+ * region starts (bar NULL: OpenMP's barrier, see dd_bar_fits) and clears them as it ends. */
+static inline void team_enter(dd_span *spans, dd_bar *bar) {
+    dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
+    dd_bars = bar;
+}
+
+static inline void team_leave(void) {
+    dd_spans = NULL;
+    dd_bars = NULL;
+}
+
 static inline void dd_sync(void) {
     dd_bar *b = dd_bars;
     if (!b) {
@@ -1393,15 +1405,12 @@ int64_t dd_set_span_delay(int us) {
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
     dd_span spans[DD_MAX_SPANS] = {{0}};
-    dd_bar bar = {0};
-    const int own_bar = dd_bar_fits(nthreads);
+    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
-        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
-        dd_bars = own_bar ? &bar : NULL;
+        team_enter(spans, team_bar);
         gemm_shared(W, x, n, y, W->out, 0);
-        dd_spans = NULL;
-        dd_bars = NULL;
+        team_leave();
     }
     return 0;
 }
@@ -1823,12 +1832,10 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     if (!buf) return 2;
     const int causal = is_causal(mask, n, start);
     dd_span spans[DD_MAX_SPANS] = {{0}};
-    dd_bar bar = {0};
-    const int own_bar = dd_bar_fits(nthreads);
+    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
-        dd_spans = omp_get_num_threads() <= DD_MAX_SPANS ? spans : NULL;
-        dd_bars = own_bar ? &bar : NULL;
+        team_enter(spans, team_bar);
         for (int64_t i = 0; i < count; i++) {
             /* x is only read until the layer's o matmul, after the q/k/v matmul's barrier, which
              * this thread crosses after the copy */
@@ -1838,8 +1845,7 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
             layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start, mask,
                               causal, extra, buf, kv_half);
         }
-        dd_spans = NULL;
-        dd_bars = NULL;
+        team_leave();
     }
     free(buf);
     if (final_norm && count > 0) {
