@@ -799,23 +799,25 @@ def set_prefetch(blocks: int) -> None:
 PHASES = ("norm", "q/k/v", "RoPE + cache", "attention", "o", "post norm", "gate/up", "SiLU", "down")
 
 
-def phase_cycles() -> list[float]:
-    """The profiling build's cycle counts per decoder-layer phase (:data:`PHASES`, thread 0, each up to
-    the barrier that ends it) since the last call, summed over layers and forwards; then zeroed."""
+def _profiling_library() -> ctypes.CDLL:
+    """The loaded kernels when they are the profiling build, else a ValueError naming the fix."""
     lib = library()
     if lib is None or not profiling():
         raise ValueError(f"no profiling build loaded: run with {PROFILE_ENV}=1 (python -m ddspec.bench.phases does)")
+    return lib
+
+
+def phase_cycles() -> list[float]:
+    """The profiling build's cycle counts per decoder-layer phase (:data:`PHASES`, thread 0, each up to
+    the barrier that ends it) since the last call, summed over layers and forwards; then zeroed."""
     out = (ctypes.c_double * len(PHASES))()
-    lib.dd_phases(ctypes.addressof(out))
+    _profiling_library().dd_phases(ctypes.addressof(out))
     return list(out)
 
 
 def cycles() -> int:
     """The CPU's time-stamp counter (the profiling build only)."""
-    lib = library()
-    if lib is None or not profiling():
-        raise ValueError(f"no profiling build loaded: run with {PROFILE_ENV}=1")
-    return int(lib.dd_cycles())
+    return int(_profiling_library().dd_cycles())
 
 
 def set_span_delay(us: int) -> int:

@@ -4,8 +4,8 @@
  * Why: on a 2-core CPU a target forward over 1-16 tokens is dominated by two things torch
  * cannot fix from Python: reading 4-byte weights that the model ships as 4.5-bit GGUF blocks,
  * and ~40 small ops per layer, each paying dispatch and thread wake-up. Here a forward's layers
- * are one call and one OpenMP region, their phases separated by a barrier of our own (dd_sync). A Q4_1 / Q8_0 weight is read in its GGUF
- * blocks: per block of 32 inputs the kernel sums x*q over the integer levels and applies the
+ * are one call and one OpenMP region, their phases separated by a barrier of our own (dd_sync).
+ * A Q4_1 / Q8_0 weight is read in its GGUF blocks: per block of 32 inputs the kernel sums x*q over the integer levels and applies the
  * block's scale and minimum once (d * sum(x*q) + m * sum(x)), which is the product with the
  * dequantised weights (gguf-py's w = d*q + m) rearranged: it agrees with the fp32 model's
  * matmul to about an ulp per block, and a one-hot row still reads back gguf-py's exact fp32
@@ -1713,83 +1713,81 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = 1.0f / sqrtf((float)D);
-    {
-        PHASE_START();
-        /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
+    PHASE_START();
+    /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
 #pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < n; i++) {
-            float *hi = h + i * (H + E);
-            if (E) memcpy(hi, extra + i * E, sizeof(float) * (size_t)E);
-            if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
-            else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
-        }
-        dd_sync();
-        PHASE(0);
-        gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
-        PHASE(1);
-        /* 2. RoPE on q and k; keys and values into the cache */
-#pragma omp for schedule(static) nowait
-        for (int64_t j = 0; j < n * (nh + nkv); j++) {
-            const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
-            float *v = qkv + i * wqkv + head * D;
-            rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
-            if (head >= nh) {
-                const int64_t g = head - nh;
-                const float *val = qkv + i * wqkv + nq + nk + g * D;
-                const int64_t slot = (g * tmax + start + i) * D;
-                if (kv_half) {
-                    to_half((uint16_t *)kc + slot, v, D);
-                    to_half((uint16_t *)vc + slot, val, D);
-                } else {
-                    memcpy((float *)kc + slot, v, sizeof(float) * (size_t)D);
-                    memcpy((float *)vc + slot, val, sizeof(float) * (size_t)D);
-                }
-            }
-        }
-        dd_sync();
-        PHASE(2);
-        /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
-        const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
-        if (kv_half && rows)
-            attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
-        else if (kv_half)
-            attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
-        else if (rows)
-            attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
-        else
-            attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
-        PHASE(3);
-        /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
-        gemm_shared(&L->o, attn, n, x, H, 1);
-        PHASE(4);
-#pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
-        dd_sync();
-        PHASE(5);
-        gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
-        PHASE(6);
-        /* in units of 256 columns, so that one token's row is shared too (each column alone, and
-         * the same columns take the 8-lane path as with whole rows: the same bits) */
-        const int64_t chunks = (I + 255) / 256;
-#pragma omp for schedule(static) nowait
-        for (int64_t unit = 0; unit < n * chunks; unit++) {
-            const int64_t i = unit / chunks, c0 = unit % chunks * 256, c1 = c0 + 256 < I ? c0 + 256 : I;
-            const float *g = gu + i * 2 * I, *u = g + I;
-            float *a = act + i * I;
-            int64_t c = c0;
-            for (; c + 8 <= c1; c += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + c);
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-                _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                      _mm256_loadu_ps(u + c)));
-            }
-            for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
-        }
-        dd_sync();
-        PHASE(7);
-        gemm_shared(&L->down, act, n, x, H, 1);
-        PHASE(8);
+    for (int64_t i = 0; i < n; i++) {
+        float *hi = h + i * (H + E);
+        if (E) memcpy(hi, extra + i * E, sizeof(float) * (size_t)E);
+        if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
+        else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
     }
+    dd_sync();
+    PHASE(0);
+    gemm_shared(&L->qkv, h, n, qkv, wqkv, 0);
+    PHASE(1);
+    /* 2. RoPE on q and k; keys and values into the cache */
+#pragma omp for schedule(static) nowait
+    for (int64_t j = 0; j < n * (nh + nkv); j++) {
+        const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
+        float *v = qkv + i * wqkv + head * D;
+        rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
+        if (head >= nh) {
+            const int64_t g = head - nh;
+            const float *val = qkv + i * wqkv + nq + nk + g * D;
+            const int64_t slot = (g * tmax + start + i) * D;
+            if (kv_half) {
+                to_half((uint16_t *)kc + slot, v, D);
+                to_half((uint16_t *)vc + slot, val, D);
+            } else {
+                memcpy((float *)kc + slot, v, sizeof(float) * (size_t)D);
+                memcpy((float *)vc + slot, val, sizeof(float) * (size_t)D);
+            }
+        }
+    }
+    dd_sync();
+    PHASE(2);
+    /* 3. attention: one token's rows alone; several tokens share each kv head's reads */
+    const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
+    if (kv_half && rows)
+        attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+    else if (kv_half)
+        attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
+    else if (rows)
+        attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+    else
+        attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
+    PHASE(3);
+    /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
+    gemm_shared(&L->o, attn, n, x, H, 1);
+    PHASE(4);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
+    dd_sync();
+    PHASE(5);
+    gemm_shared(&L->gate_up, h, n, gu, 2 * I, 0);
+    PHASE(6);
+    /* in units of 256 columns, so that one token's row is shared too (each column alone, and
+     * the same columns take the 8-lane path as with whole rows: the same bits) */
+    const int64_t chunks = (I + 255) / 256;
+#pragma omp for schedule(static) nowait
+    for (int64_t unit = 0; unit < n * chunks; unit++) {
+        const int64_t i = unit / chunks, c0 = unit % chunks * 256, c1 = c0 + 256 < I ? c0 + 256 : I;
+        const float *g = gu + i * 2 * I, *u = g + I;
+        float *a = act + i * I;
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + c);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                  _mm256_loadu_ps(u + c)));
+        }
+        for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
+    }
+    dd_sync();
+    PHASE(7);
+    gemm_shared(&L->down, act, n, x, H, 1);
+    PHASE(8);
 }
 
 /* Whether mask [n, start + n] is the causal one: row i sees keys [0, start + i] and no other (a
@@ -1808,8 +1806,8 @@ static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
 /* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each, all in one
  * parallel region: opening one took about 1.4 us per layer), layer i using the cache at
  * kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per
- * forward instead of one per layer; every layer is checked (layer_check) before any runs; extra: [n, extra] for the layers that read one (NULL when none does); capture:
- * NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
+ * forward instead of one per layer; every layer is checked (layer_check) before any runs; extra:
+ * [n, extra] for the layers that read one (NULL when none does); capture: NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
  * layer i (the residual streams a draft head reads); final_norm: NULL, or the weights [H] of an
  * RMSNorm (epsilon final_eps) applied to each row of x after the last layer, in place (a model's
  * final norm here rather than as a torch op afterwards: after a forward streamed the weights
@@ -1821,12 +1819,10 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
                       float *const *capture, const float *final_norm, float final_eps, int kv_half) {
     int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
-        const int64_t need = layer_scratch(layers + i, n, start + n);
-        size = need > size ? need : size;
-    }
-    for (int64_t i = 0; i < count; i++) {
         const int rc = layer_check(layers + i, n, tmax, start, extra);
         if (rc) return rc + 8 * (int)i;
+        const int64_t need = layer_scratch(layers + i, n, start + n);
+        size = need > size ? need : size;
     }
     float *buf = malloc(sizeof(float) * (size_t)(size + 1));
     if (!buf) return 2;
