@@ -925,3 +925,37 @@ def test_a_long_prompt_runs_in_chunks_with_the_bits_of_one_forward(tiny_dirs, mo
         assert torch.equal(out.logits, one[0].logits) and torch.equal(out.features, one[0].features)
         assert torch.equal(out.hidden_states[1], one[0].hidden_states[1])
         assert torch.equal(last.logits, one[1].logits) and torch.equal(keys, one[2])
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1a8", "q8_0a8", "f32"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_matmuls_argmax_is_numpys_argmax_of_its_output(kind, threads):
+    """with_argmax: the same outputs as the plain call and numpy's argmax of them, whatever the
+    threads (3: more than these CPUs, OpenMP's barrier), ties to the first column (here across the
+    threads' halves and inside one), a NaN first of all."""
+    if kind == "f32":
+        weight = native.NativeWeight.dense(torch.randn(300, 64))
+    else:
+        weight = quantised(kind[:4], 300, 64, seed=3)[0]
+        weight = weight.with_int8_activations() if kind.endswith("a8") else weight
+    eye = weight(torch.eye(64))  # [64, 300]: the weight as the kernel sees it, one column per output
+    x = torch.randn(5, 64)
+    x[1] = eye[:, 17]  # the 17th output's own weights: its dot product is the largest by far
+    x[2] = eye[:, 200]
+    torch.set_num_threads(threads)
+    try:
+        y, best = weight.with_argmax(x)
+        assert torch.equal(y, weight(x))
+        assert best.tolist() == y.numpy().argmax(-1).tolist()
+        assert best[1] == 17 and best[2] == 200
+        if kind == "f32":  # exact ties: duplicated output rows
+            rows = weight.rows[0].clone()
+            rows[250], rows[230] = rows[17], rows[200]
+            twin = native.NativeWeight.dense(rows)
+            y, best = twin.with_argmax(x)
+            assert y[1, 17] == y[1, 250] and best[1] == 17  # across the halves
+            assert y[2, 200] == y[2, 230] and best[2] == 200  # inside the second half
+        y, best = weight.with_argmax(torch.full((2, 64), float("nan")))
+        assert best.tolist() == [0, 0]
+    finally:
+        torch.set_num_threads(2)

@@ -162,11 +162,11 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
 
     def level():
         hidden = drafter._run(feats, toks, torch.full((k,), PREFIX, device=dev), mask)
-        drafter.logprobs(hidden).topk(k, dim=-1)
+        drafter.draft_top(hidden, k)
         drafter.cache.truncate(PREFIX)
 
     level_ms = _median_ms(level, reps * 2, dev)
-    root_ms = _median_ms(lambda: drafter.logprobs(drafter.root_hidden.view(1, -1)).topk(k), reps * 2, dev)
+    root_ms = _median_ms(lambda: drafter.draft_top(drafter.root_hidden.view(1, -1), k), reps * 2, dev)
 
     def other():  # a typical commit: keep 3 entries, refresh the head over them
         step = target.forward(prompt[:3], PREFIX + torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril_(),

@@ -29,7 +29,7 @@ import torch
 from ddspec.config import SamplingConfig, StopConfig
 from ddspec.draft.base import Drafter
 from ddspec.errors import DdspecError
-from ddspec.models.base import TargetModel
+from ddspec.models.base import TargetModel, TargetOutput
 from ddspec.sampling import make_generator, next_token
 from ddspec.tree import DraftTree
 from ddspec.verify import Verdict, verify_greedy, verify_sampling
@@ -182,13 +182,16 @@ class Engine:
         self._held_drafter: Drafter | None = None
 
     # -- helpers -------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return next_token(logits, self.sampling, generator)
+    def _choose(self, out: TargetOutput, generator: torch.Generator) -> torch.Tensor:
+        """The first root, from the prefill's last row."""
+        if self.sampling.greedy and out.argmax is not None:
+            return out.argmax[-1]
+        return next_token(out.logits[-1], self.sampling, generator)
 
-    def _verify(self, tree: DraftTree, logits: torch.Tensor, generator: torch.Generator) -> Verdict:
+    def _verify(self, tree: DraftTree, out: TargetOutput, generator: torch.Generator) -> Verdict:
         if self.sampling.greedy:
-            return verify_greedy(tree, logits)
-        return verify_sampling(tree, logits, self.sampling, generator)
+            return verify_greedy(tree, out.logits, out.argmax)
+        return verify_sampling(tree, out.logits, self.sampling, generator)
 
     def _budget(self, prompt_len: int, stop: StopConfig) -> int:
         window = self.target.info.max_position
@@ -262,7 +265,7 @@ class Engine:
         start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
         prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
         out = self.target.forward(prompt, torch.arange(start, len(prompt_ids)), None, hidden_layers, last_logits=True)
-        root = self._choose(out.logits[-1], generator)
+        root = self._choose(out, generator)
         if self.drafter:
             self.drafter.prefill(prompt, out, root)
         stats.prefill_s = clock() - t0
@@ -282,7 +285,7 @@ class Engine:
             # 3. Verify: one target forward over the whole tree, then the acceptance rule.
             mask = tree.attention_mask() if tree.size > 1 else None
             out = self.target.forward(tree.tokens, tree.positions(position), mask, hidden_layers)
-            verdict = self._verify(tree, out.logits, generator)
+            verdict = self._verify(tree, out, generator)
             # 4. Commit: keep the accepted path's KV; the drafter refreshes its own state.
             self.target.commit(verdict.path)
             if self.drafter:

@@ -292,7 +292,7 @@ def draft_level_times(target, prefix: int = 256, top_ks=LEVEL_TOP_KS, reps: int 
             device_sync(target.device)
             t = time.perf_counter()
             hidden = drafter._run(feats, toks, torch.full((k,), prefix, device=target.device), mask)
-            drafter.logprobs(hidden).topk(k, dim=-1)
+            drafter.draft_top(hidden, k)  # the level's scores, as the drafter takes them
             device_sync(target.device)
             times.append(time.perf_counter() - t)
             drafter.cache.truncate(prefix)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ddspec import native as native_lib
 from ddspec.config import SamplingConfig, TreeConfig
 from ddspec.draft.context_vocab import ContextVocab
 from ddspec.draft.head import EagleHead
@@ -23,6 +24,7 @@ from ddspec.draft.packed import DraftLMHead
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
+from ddspec.tree.host import HostCandidates, frontier_rows
 from ddspec.tree import (
     DEFAULT_STATIC_PATHS,
     DraftTree,
@@ -94,6 +96,7 @@ class EagleDrafter:
         self.embed = head.embed_tokens if hasattr(head, "embed_tokens") else target.embed
         ids = head.draft_token_ids
         self.draft_ids = None if ids is None else ids.to(self.device)  # [Vd] target ids
+        self._draft_id_list: list[int] | None = None  # the same, listed on the host when first needed
         draft_vocab = target.info.vocab_size if ids is None else ids.numel()
         if tree.shape == "dynamic" and tree.top_k > draft_vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
@@ -207,10 +210,8 @@ class EagleDrafter:
         """Head entries for committed positions: pairs (f_t, token_{t+1}), causal."""
         start, n = self.cache.length, next_tokens.numel()
         mask = None
-        if n > 1:
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-            mask[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-            mask = mask.view(1, 1, n, -1)
+        if n > 1:  # causal: row i sees the committed entries and the new ones up to its own
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril_(start).view(1, 1, n, -1)
         hidden = self._run(features, next_tokens, torch.arange(start, start + n, device=self.device), mask)
         self.cache.pending = 0
         self.root_hidden = hidden[-1]
@@ -271,11 +272,11 @@ class EagleDrafter:
             return
         if self.cost_policy is not None and tree.size > 1:
             n = self._head_nodes  # the acceptance map learns from the head's nodes only
-            accepted = torch.zeros(n, dtype=torch.bool, device=tree.tokens.device)
-            accepted[verdict.path[verdict.path < n]] = True
-            self.cost_policy.observe(tree.scores[1:n], accepted[1:])
+            path = verdict.path.tolist()  # host lists: a handful of numbers (a tensor op each cost more)
+            on_path = set(path)
+            self.cost_policy.observe(tree.scores[1:n].tolist(), [i in on_path for i in range(1, n)])
             if tree.size > n:
-                self.cost_policy.observe_graft(int((verdict.path >= n).sum()))
+                self.cost_policy.observe_graft(sum(1 for i in path if i >= n))
         self.cache.truncate(self.committed)
         path = verdict.path
         nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
@@ -337,6 +338,8 @@ class EagleDrafter:
         assert self._committed == position, "head cache out of step with the target"
         if self.static is not None:
             return self._propose_static(root, position)
+        if self.device.type == "cpu":
+            return self._propose_dynamic_host(root, position)
         return self._propose_dynamic(root, position)
 
     def _propose_dynamic(self, root: torch.Tensor, position: int) -> DraftTree:
@@ -351,7 +354,8 @@ class EagleDrafter:
         parent_slot = torch.full((frontier.numel(),), -1, dtype=torch.long, device=self.device)
         level = 1
         best_child = candidates.scores[:1]  # the best root child's log-prob
-        while level < self._room and self._continue(policy, level, candidates, frontier, best_child):
+        while level < self._room and self._continue(policy, level, candidates.scores[frontier], candidates.scores,
+                                                    best_child):
             if cost is not None:  # the head runs only on the frontier nodes whose children could be verified
                 keep = cost.frontier_keep(candidates.scores, frontier)
                 if not bool(keep.all()):
@@ -380,11 +384,90 @@ class EagleDrafter:
                 cost.note_graft(self._head_nodes, added)
         return tree
 
+    def _propose_dynamic_host(self, root: torch.Tensor, position: int) -> DraftTree:
+        """:meth:`_propose_dynamic` with the candidates on host lists (tree/host.py), for a drafter on a
+        CPU: the same levels, choices and tree, at a fraction of the tensor ops' dispatch cost."""
+        cfg = self.cfg
+        k = 1 if cfg.shape == "chain" else cfg.top_k
+        total = cfg.depth + 1 if cfg.shape == "chain" else cfg.total_tokens
+        cost = self.cost_policy
+        policy = self.last_policy = cost if cost is not None else make_depth_policy(cfg)
+        slots = DraftSlots(self._committed, self.device)
+        logprobs, ids = self._draft_top(self.root_hidden.view(1, -1), k)
+        candidates = HostCandidates(ids[0], logprobs[0])
+        frontier = list(range(candidates.size))
+        parent_hidden = self.root_hidden.expand(len(frontier), -1)  # [f, H] f̂ of each frontier node's parent
+        parent_slot = [-1] * len(frontier)
+        level = 1
+        best_child = [logprobs[0][0]]
+        while level < self._room:
+            scores = candidates.scores
+            if not self._continue(policy, level, [scores[f] for f in frontier], scores, best_child):
+                break
+            if cost is not None:  # the head runs only on the frontier nodes whose children could be verified
+                rows = frontier_rows(scores, frontier, cost.next_size)
+                if len(rows) < len(frontier):
+                    frontier, parent_slot = [frontier[j] for j in rows], [parent_slot[j] for j in rows]
+                    parent_hidden = parent_hidden[rows]
+            mask = slots.add(torch.tensor(parent_slot))
+            first_slot = slots.rows.shape[0] - len(frontier)
+            tokens = torch.tensor(self._target_id_list([candidates.tokens[f] for f in frontier]))
+            hidden = self._run(parent_hidden, tokens, torch.full((len(frontier),), position + level - 1), mask)
+            logprobs, ids = self._draft_top(hidden, k)
+            best_child = [row[0] for row in logprobs]
+            row_of = {f: j for j, f in enumerate(frontier)}
+            frontier = candidates.expand(frontier, logprobs, ids, k)
+            rows = [row_of[candidates.parents[c]] for c in frontier]  # the new frontier's parents: rows of the old one
+            parent_hidden, parent_slot = hidden[rows], [first_slot + j for j in rows]
+            level += 1
+        if cost is not None:
+            total = cost.tree_size(candidates.scores)
+        # the lookup's chain merged in as in _propose_dynamic (free drafts where the context's ending occurred before)
+        chain = self._chain if cost is not None and self.lookup is not None else None
+        tree, added = candidates.tree(int(root), total, self._target_id_list, chain, self._room, self.device)
+        self._head_nodes = tree.size - added
+        if added:
+            cost.note_graft(self._head_nodes, added)
+        return tree
+
+    def draft_top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best draft log-probs of each row of ``hidden`` [n, H] ([n, k] float32, descending)
+        and their draft ids [n, k]: :meth:`logprobs` and ``topk``, in one C pass per row on a CPU
+        where the kernels are built (native.top_logprobs: 0.01 ms a row instead of about 0.1 ms of
+        tensor ops). What a draft level computes after the head's forward (calibrate.py times it)."""
+        if hidden.device.type != "cpu" or not native_lib.available():
+            logprobs = self.logprobs(hidden)
+            return logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        x = self.head.logits_input(hidden)
+        logits = self.lm_head(x)
+        extra = self.context.logits(x) if self.context is not None and self.context.size else None
+        k = min(k, logits.shape[-1] + (0 if extra is None else extra.shape[-1]))
+        return native_lib.top_logprobs(logits, extra, 1.0 / self.temperature, k)
+
+    def _draft_top(self, hidden: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """:meth:`draft_top` as host lists."""
+        values, ids = self.draft_top(hidden, k)
+        return values.tolist(), ids.tolist()
+
+    def _target_id_list(self, tokens: list[int]) -> list[int]:
+        """Draft ids -> target ids, on host lists (the draft vocabulary's ids listed once; the
+        context's few added ones read where a token is one of them)."""
+        if self.draft_ids is None:
+            return tokens
+        if self._draft_id_list is None:
+            self._draft_id_list = self.draft_ids.tolist()
+        base, vd = self._draft_id_list, len(self._draft_id_list)
+        if all(t < vd for t in tokens):
+            return [base[t] for t in tokens]
+        return self.vocab_ids[tokens].tolist()
+
     @staticmethod
-    def _continue(policy, level: int, candidates, frontier: torch.Tensor, best_child: torch.Tensor) -> bool:
-        frontier_scores = candidates.scores[frontier]
+    def _continue(policy, level: int, frontier_scores, scores, best_child) -> bool:
+        """Whether to draft another level. frontier_scores: the frontier's scores; scores: every
+        candidate's; best_child: the best child log-prob of each node expanded at this level
+        (tensors, or host lists from _propose_dynamic_host)."""
         if isinstance(policy, CostAwarePolicy):
-            return policy.continue_after(level, frontier_scores, candidates.scores, best_child)
+            return policy.continue_after(level, frontier_scores, scores, best_child)
         return policy.continue_after(level, frontier_scores)
 
     def _to_target_vocab(self, tree: DraftTree) -> DraftTree:

@@ -41,6 +41,7 @@ class TargetOutput:
     logits: torch.Tensor  # [N, V] fp32 (or the model dtype); [1, V] when asked for the last token's only
     features: torch.Tensor  # [N, H] post-final-norm hidden states
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [N, H]
+    argmax: torch.Tensor | None = None  # [N] int64 each row's argmax (numpy's), when the forward took it already
 
 
 @runtime_checkable

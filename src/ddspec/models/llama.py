@@ -578,6 +578,14 @@ class NativeLlama:
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head_w(features, self.head_plan.kernel(features.numel() // features.shape[-1]))
 
+    def _lm_head_argmax(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, each row's argmax or None): the argmax comes with the logits where the lm_head runs
+        on the native kernel (taken inside its parallel region, see NativeWeight.with_argmax)."""
+        native = self.lm_head_w.native
+        if native is None or self.head_plan.kernel(features.shape[0]) != "native":
+            return self.lm_head(features), None
+        return native.with_argmax(features)
+
     def lm_head_weight_t(self) -> torch.Tensor:
         """The lm_head as [H, V] (a view of the [V, H] weight; what drafters and trainers multiply by)."""
         return self._lm_head_oi.t()
@@ -622,7 +630,8 @@ class NativeLlama:
             cache.advance(n)
             if self.arch.num_layers in hidden_layers:
                 hidden[self.arch.num_layers] = features
-            return TargetOutput(self.lm_head(features[-1:] if last_logits else features), features, hidden)
+            logits, best = self._lm_head_argmax(features[-1:] if last_logits else features)
+            return TargetOutput(logits, features, hidden, best)
         for i, layer in enumerate(self.layers):
             if i in hidden_layers:
                 hidden[i] = x[0]

@@ -59,26 +59,30 @@ class CostModel:
             raise ValueError(f"verify_ms needs positive times for N >= 1, got {self.verify_ms}")
         self.verify_ms = monotone(self.verify_ms)
         pts = sorted(self.verify_ms.items())
-        self._n = torch.tensor([p[0] for p in pts], dtype=torch.float64)
-        self._t = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+        self._n = [float(p[0]) for p in pts]
+        self._t = [float(p[1]) for p in pts]
         self._table: list[float] = []  # verify(1), verify(2), ... as floats (see verify_list)
 
-    def verify(self, n: torch.Tensor) -> torch.Tensor:
-        """ms of verifying n tokens, n [M] -> [M] (linear between points, linear beyond the last two)."""
-        n = n.to(torch.float64)
+    def verify_one(self, n: float) -> float:
+        """ms of verifying n tokens (linear between points, linear beyond the last two, never below
+        the first point's). Python floats: the policy prices sizes every step, and on a CPU the
+        dozen tensor ops this took cost more than a draft level's matmuls."""
         xs, ts = self._n, self._t
-        if xs.numel() == 1:
+        if len(xs) == 1:
             return ts[0] * n / xs[0]
-        idx = torch.searchsorted(xs, n).clamp(1, xs.numel() - 1)
-        x0, x1, t0, t1 = xs[idx - 1], xs[idx], ts[idx - 1], ts[idx]
-        return (t0 + (t1 - t0) * (n - x0) / (x1 - x0)).clamp(min=float(ts[0]))
+        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)
+        x0, x1, t0, t1 = xs[i - 1], xs[i], ts[i - 1], ts[i]
+        return max(t0 + (t1 - t0) * (n - x0) / (x1 - x0), ts[0])
+
+    def verify(self, n: torch.Tensor) -> torch.Tensor:
+        """:meth:`verify_one` of each of n [M] -> [M] float64."""
+        return torch.tensor([self.verify_one(float(m)) for m in n.reshape(-1).tolist()],
+                            dtype=torch.float64).reshape(n.shape)
 
     def verify_list(self, n_max: int) -> list[float]:
-        """[verify(1), ..., verify(n_max)] as Python floats, computed once per size: the policy
-        reads it several times a step, where a dozen tensor ops per call would cost more than
-        a draft level's matmuls."""
+        """[verify(1), ..., verify(n_max)], computed once per size."""
         if len(self._table) < n_max:
-            self._table = self.verify(torch.arange(1, max(n_max, 2 * len(self._table)) + 1)).tolist()
+            self._table = [self.verify_one(m) for m in range(1, max(n_max, 2 * len(self._table)) + 1)]
         return self._table
 
     def draft(self, levels: int) -> float:
@@ -111,12 +115,19 @@ class AcceptanceModel:
         w = self.prior_weight
         return (self.accepted[b] + w * prior) / (self.seen[b] + w)
 
-    def update(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
-        """scores [M] of the drafted nodes of a verified tree; accepted [M] bool."""
-        b = self._bins(scores)
-        self.seen.index_add_(0, b, torch.ones_like(b, dtype=torch.float64))
-        self.accepted.index_add_(0, b, accepted.to("cpu", torch.float64))
-        self._lists = None
+    def update(self, scores: torch.Tensor | list[float], accepted: torch.Tensor | list[bool]) -> None:
+        """scores [M] of the drafted nodes of a verified tree; accepted [M] bool (tensors or host lists).
+        Counted on the host lists, the tensors rewritten from them (two small tensors instead of
+        bucketize and two index_add_, a tenth of the time)."""
+        if self._lists is None:
+            self._lists = (self.edges.tolist(), self.accepted.tolist(), self.seen.tolist())
+        edges, acc, seen = self._lists
+        for score, ok in zip(_host(scores), _host(accepted)):
+            b = bisect.bisect_left(edges, score)  # torch.bucketize's bins (right=False)
+            seen[b] += 1.0
+            acc[b] += 1.0 if ok else 0.0
+        self.seen = torch.tensor(seen, dtype=torch.float64)
+        self.accepted = torch.tensor(acc, dtype=torch.float64)
 
     def prob_list(self, scores: list[float]) -> list[float]:
         """:meth:`prob` on Python floats (the same bins, prior and counts; no tensor ops)."""
@@ -294,7 +305,7 @@ class LearnedCosts:
             self._current = None
             return
         i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
-        calibrated = self.base.verify(torch.tensor([tree_size])).item() + self.base.other_ms
+        calibrated = self.base.verify_one(tree_size) + self.base.other_ms
         r = math.log(max(verify_ms, 1e-3) / calibrated)
         self.log_ratio[i], self.seen[i] = self._mean(self.log_ratio[i], self.seen[i], r)
         if draft_ms is None:
@@ -570,17 +581,20 @@ class CostAwarePolicy:
             acc[j] += 1.0 if accepted > j else 0.0
 
     # -- the DepthPolicy protocol -------------------------------------------------------------
-    def continue_after(self, level: int, frontier_scores: torch.Tensor, candidate_scores: torch.Tensor | None = None,
-                       level_logprobs: torch.Tensor | None = None) -> bool:
+    def continue_after(self, level: int, frontier_scores: torch.Tensor | list[float],
+                       candidate_scores: torch.Tensor | list[float] | None = None,
+                       level_logprobs: torch.Tensor | list[float] | None = None) -> bool:
         """candidate_scores: every drafted node so far [M]; level_logprobs: the best child
-        log-prob of each parent expanded at this level (updates the running estimate)."""
+        log-prob of each parent expanded at this level (updates the running estimate). Tensors or
+        host lists (a CPU drafter's, tree/host.py)."""
         self.levels = level
-        if level_logprobs is not None and level_logprobs.numel():
-            self.child_logprob = 0.9 * self.child_logprob + 0.1 * float(level_logprobs.mean())
+        if level_logprobs is not None and len(level_logprobs):
+            best = _host(level_logprobs)
+            self.child_logprob = 0.9 * self.child_logprob + 0.1 * (sum(best) / len(best))
         if level >= self.max_depth:
             return False
-        frontier = frontier_scores.tolist()
-        scores = frontier if candidate_scores is None else candidate_scores.tolist()
+        frontier = _host(frontier_scores)
+        scores = frontier if candidate_scores is None else _host(candidate_scores)
         self.syncs += 1
         _, now = self.best(scores, level)
         self.next_size, after = self.best(scores + [s + self.child_logprob for s in frontier], level + 1)
@@ -603,15 +617,15 @@ class CostAwarePolicy:
         keep[rank[frontier].argmin()] = True
         return keep
 
-    def tree_size(self, candidate_scores: torch.Tensor) -> int:
+    def tree_size(self, candidate_scores: torch.Tensor | list[float]) -> int:
         """Total verified nodes (root included) that maximise the rate for the drafted levels."""
         levels = max(1, self.levels)
-        scores = candidate_scores.tolist()
+        scores = _host(candidate_scores)
         n, _ = self.best(scores, levels)
         gains, best = self._gains(scores), n
         if self._probe_size:
             bigger = [m for m in self.costs.sizes if m > n]
-            n = min(bigger[0] if bigger else n + 1, candidate_scores.numel() + 1, self.max_tokens)
+            n = min(bigger[0] if bigger else n + 1, len(scores) + 1, self.max_tokens)
             self._since_size_probe = 0
         else:
             self._since_size_probe += 1
@@ -734,6 +748,11 @@ class CostAwarePolicy:
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"
+
+
+def _host(values: torch.Tensor | list[float]) -> list[float]:
+    """Scores as a host list (a CPU drafter passes lists already; a tensor is read: a host sync)."""
+    return values if isinstance(values, list) else values.tolist()
 
 
 def flat_cost(ms: float = 20.0, n_max: int = 128) -> dict[int, float]:

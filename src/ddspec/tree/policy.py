@@ -69,6 +69,8 @@ class DynamicDepth:
         if level not in self.check_depths:
             return True
         self.syncs += 1
+        if isinstance(frontier_scores, list):  # a CPU drafter's host list (tree/host.py)
+            frontier_scores = torch.tensor(frontier_scores)
         mass = torch.logsumexp(frontier_scores.float(), dim=0).item()  # host sync, counted
         return mass >= self.threshold
 

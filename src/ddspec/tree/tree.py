@@ -37,10 +37,13 @@ class DraftTree:
             root_ok, topo_ok, depth_ok, siblings_ok = self._invariants_host()
         else:  # host sync (one): every invariant is reduced on the device, then read at once
             root_ok, topo_ok, depth_ok, siblings_ok = self._invariants().tolist()
-        assert root_ok, "node 0 must be the root: parents[0] = -1, depths[0] = 0, tokens >= 0"
-        assert topo_ok, "nodes must be in topological order: 0 <= parents[i] < i for i > 0"
-        assert depth_ok, "depths[i] must equal depths[parents[i]] + 1"
-        assert siblings_ok, "siblings must carry distinct tokens"
+        for ok, what in zip((root_ok, topo_ok, depth_ok, siblings_ok), self._BROKEN):
+            assert ok, what
+
+    _BROKEN = ("node 0 must be the root: parents[0] = -1, depths[0] = 0, tokens >= 0",
+               "nodes must be in topological order: 0 <= parents[i] < i for i > 0",
+               "depths[i] must equal depths[parents[i]] + 1",
+               "siblings must carry distinct tokens")
 
     def _invariants(self) -> torch.Tensor:
         """[4] bool: root, topological order, depths, distinct siblings (no sync)."""
@@ -56,7 +59,10 @@ class DraftTree:
 
     def _invariants_host(self) -> tuple[bool, bool, bool, bool]:
         """The same four checks as :meth:`_invariants`, on host lists (CPU trees)."""
-        tokens, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+        return self._invariants_lists(self.tokens.tolist(), self.parents.tolist(), self.depths.tolist())
+
+    @staticmethod
+    def _invariants_lists(tokens: list[int], parents: list[int], depths: list[int]) -> tuple[bool, bool, bool, bool]:
         root_ok = parents[0] == -1 and depths[0] == 0 and min(tokens) >= 0
         topo_ok = all(0 <= p < i for i, p in enumerate(parents) if i)
         depth_ok = all(depths[i] == depths[max(p, 0)] + 1 for i, p in enumerate(parents) if i)
@@ -69,13 +75,15 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @classmethod
-    def _built(cls, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+    def _built(cls, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor,
+               checked: bool = True) -> DraftTree:
         """A tree whose shape holds the invariants by construction (a root alone, a chain): only the
-        tokens are checked (>= 0, one host sync on a GPU, as the full check). Plain decoding and
-        lookup build one every step, and the full check's host conversions are per-step Python."""
-        if tokens.device.type == "cpu":
+        tokens are checked (>= 0, one host sync on a GPU, as the full check; ``checked=False``: the
+        caller checks). Plain decoding and lookup build one every step, and the full check's host
+        conversions are per-step Python."""
+        if checked and tokens.device.type == "cpu":
             assert min(tokens.tolist()) >= 0, "tokens must be >= 0"
-        else:
+        elif checked:
             assert bool((tokens >= 0).all()), "tokens must be >= 0"
         tree = object.__new__(cls)
         for name, value in (("tokens", tokens), ("parents", parents), ("depths", depths), ("scores", scores)):
@@ -109,15 +117,25 @@ class DraftTree:
         scores = torch.cat([logprobs.new_zeros(1).float(), logprobs.float().cumsum(0)])  # [d+1]
         return cls._built(torch.cat([root, tokens.long()]), steps - 1, steps, scores)
 
-    def with_chain(self, chain: list[int], max_depth: int | None = None) -> tuple[DraftTree, int]:
-        """This tree with ``chain`` (tokens following the root) merged in as a path: the chain
-        follows existing nodes while their tokens agree and continues as new nodes appended at
-        the end (each scored like its parent: no draft log-prob of their own), at most
-        ``max_depth`` deep. Returns (tree, nodes added). Host sync: the tree is read to lists."""
+    @classmethod
+    def from_host(cls, tokens: list[int], parents: list[int], depths: list[int], scores: list[float],
+                  device: torch.device | None = None) -> DraftTree:
+        """A tree from host lists, its invariants checked on the lists (no tensor read back)."""
+        tree = cls._built(torch.tensor(tokens, dtype=torch.int64, device=device),
+                          torch.tensor(parents, dtype=torch.int64, device=device),
+                          torch.tensor(depths, dtype=torch.int64, device=device),
+                          torch.tensor(scores, dtype=torch.float32, device=device), checked=False)
+        for ok, what in zip(cls._invariants_lists(tokens, parents, depths), cls._BROKEN):
+            assert ok, what
+        return tree
+
+    @staticmethod
+    def merge_chain(tokens: list[int], parents: list[int], depths: list[int], scores: list[float],
+                    chain: list[int], max_depth: int | None = None) -> int:
+        """Merge ``chain`` (tokens following the root) into the tree held by these host lists, in
+        place, as :meth:`with_chain` describes; returns the number of nodes added."""
         if not chain:
-            return self, 0
-        tokens, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
-        scores = self.scores.tolist()
+            return 0
         children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
         node, added = 0, 0
         for token in chain:
@@ -129,12 +147,21 @@ class DraftTree:
                 tokens.append(token), parents.append(node), depths.append(depths[node] + 1), scores.append(scores[node])
                 added += 1
             node = child
+        return added
+
+    def with_chain(self, chain: list[int], max_depth: int | None = None) -> tuple[DraftTree, int]:
+        """This tree with ``chain`` (tokens following the root) merged in as a path: the chain
+        follows existing nodes while their tokens agree and continues as new nodes appended at
+        the end (each scored like its parent: no draft log-prob of their own), at most
+        ``max_depth`` deep. Returns (tree, nodes added). Host sync: the tree is read to lists."""
+        if not chain:
+            return self, 0
+        tokens, parents, depths = self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()
+        scores = self.scores.tolist()
+        added = self.merge_chain(tokens, parents, depths, scores, chain, max_depth)
         if not added:
             return self, 0
-        dev = self.tokens.device
-        return DraftTree(torch.tensor(tokens, dtype=torch.int64, device=dev), torch.tensor(parents, dtype=torch.int64, device=dev),
-                         torch.tensor(depths, dtype=torch.int64, device=dev),
-                         torch.tensor(scores, dtype=torch.float32, device=dev)), added
+        return DraftTree.from_host(tokens, parents, depths, scores, self.tokens.device), added
 
     def attention_mask(self) -> torch.Tensor:
         """[N, N] bool: row i is True exactly at i's ancestors and at i itself.

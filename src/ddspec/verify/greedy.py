@@ -36,13 +36,14 @@ class Verdict:
         return torch.cat([tree.tokens[self.path[1:]], self.bonus.reshape(1)])
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """Vectorised greedy verification.  logits: [N, V], the target's output at each node.
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, best: torch.Tensor | None = None) -> Verdict:
+    """Vectorised greedy verification.  logits: [N, V], the target's output at each node; best:
+    their argmax [N] when the forward took it already (TargetOutput.argmax), else taken here.
 
     Node i matches when its token is the argmax at its parent; it is accepted when it and
     all its non-root ancestors match. The deepest accepted node ends the path. One host sync.
     """
-    target = argmax(logits)  # [N] the target's own next token after each node
+    target = argmax(logits) if best is None else best  # [N] the target's own next token after each node
     if tree.size == 1:  # plain decoding's step: the root alone, its argmax the bonus
         return Verdict(path=torch.zeros(1, dtype=torch.int64, device=target.device), bonus=target[0])
     if target.device.type == "cpu":  # small trees on a CPU: one walk over host lists beats a dozen tensor ops
