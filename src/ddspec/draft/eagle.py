@@ -342,13 +342,18 @@ class EagleDrafter:
             return self._propose_dynamic_host(root, position)
         return self._propose_dynamic(root, position)
 
-    def _propose_dynamic(self, root: torch.Tensor, position: int) -> DraftTree:
+    def _dynamic_setup(self):
+        """A dynamic tree's (children per node, verified size unless the cost policy sizes it, the cost
+        policy or None, the depth policy, the head cache's slots for this proposal)."""
         cfg = self.cfg
         k = 1 if cfg.shape == "chain" else cfg.top_k
         total = cfg.depth + 1 if cfg.shape == "chain" else cfg.total_tokens
         cost = self.cost_policy
         policy = self.last_policy = cost if cost is not None else make_depth_policy(cfg)
-        slots = DraftSlots(self._committed, self.device)
+        return k, total, cost, policy, DraftSlots(self._committed, self.device)
+
+    def _propose_dynamic(self, root: torch.Tensor, position: int) -> DraftTree:
+        k, total, cost, policy, slots = self._dynamic_setup()
         candidates, frontier = expand_root(self.logprobs(self.root_hidden.view(1, -1))[0], k)
         parent_hidden = self.root_hidden.expand(frontier.numel(), -1)  # [k, H] f̂ of each frontier node's parent
         parent_slot = torch.full((frontier.numel(),), -1, dtype=torch.long, device=self.device)
@@ -387,12 +392,7 @@ class EagleDrafter:
     def _propose_dynamic_host(self, root: torch.Tensor, position: int) -> DraftTree:
         """:meth:`_propose_dynamic` with the candidates on host lists (tree/host.py), for a drafter on a
         CPU: the same levels, choices and tree, at a fraction of the tensor ops' dispatch cost."""
-        cfg = self.cfg
-        k = 1 if cfg.shape == "chain" else cfg.top_k
-        total = cfg.depth + 1 if cfg.shape == "chain" else cfg.total_tokens
-        cost = self.cost_policy
-        policy = self.last_policy = cost if cost is not None else make_depth_policy(cfg)
-        slots = DraftSlots(self._committed, self.device)
+        k, total, cost, policy, slots = self._dynamic_setup()
         logprobs, ids = self._draft_top(self.root_hidden.view(1, -1), k)
         candidates = HostCandidates(ids[0], logprobs[0])
         frontier = list(range(candidates.size))

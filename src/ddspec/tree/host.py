@@ -5,8 +5,7 @@
 waits on the host. On a CPU every tensor op costs a few microseconds of dispatch whatever its
 size, and a tree of a few dozen nodes took about 0.5 ms of such ops per drafted step (rerank
 alone 0.29 ms, Intel Xeon family 6 model 207): as much as the head's own matmuls. Here the same
-three steps run on Python lists and one small float32 array, and the tree becomes tensors once,
-at the end. Given the same top-k inputs they choose the same nodes in the same order
+three steps run on Python lists, and the tree becomes tensors once, at the end. Given the same top-k inputs they choose the same nodes in the same order
 (tests/test_tree_host.py), except among exactly equal scores, where ``torch.topk`` leaves the
 order open and these take the earlier candidate.
 
