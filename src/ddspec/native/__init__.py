@@ -359,11 +359,9 @@ def library() -> ctypes.CDLL | None:
         _why_not = f"could not build or load {path.name}: {e}"
         print(f"ddspec: {_why_not}; using torch's kernels", file=sys.stderr)
         return None
-    lib.dd_gemm.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.dd_gemm.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_void_p]
     lib.dd_gemm.restype = ctypes.c_int
-    lib.dd_gemm_argmax.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                   ctypes.c_int, ctypes.c_void_p]
-    lib.dd_gemm_argmax.restype = ctypes.c_int
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -518,12 +516,8 @@ class NativeWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        lib = library()
-        if best is None:
-            rc = lib.dd_gemm(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads())
-        else:
-            rc = lib.dd_gemm_argmax(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(),
-                                    torch.get_num_threads(), best.data_ptr())
+        rc = library().dd_gemm(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(),
+                               torch.get_num_threads(), None if best is None else best.data_ptr())
         if rc:
             raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
         return y.view(*lead, self.out_features)

@@ -1402,19 +1402,6 @@ int64_t dd_set_span_delay(int us) {
     return __atomic_exchange_n(&dd_groups_taken, 0, __ATOMIC_RELAXED);
 }
 
-int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads) {
-    if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
-    dd_span spans[DD_MAX_SPANS] = {{0}};
-    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
-#pragma omp parallel num_threads(nthreads)
-    {
-        team_enter(spans, team_bar);
-        gemm_shared(W, x, n, y, W->out, 0);
-        team_leave();
-    }
-    return 0;
-}
-
 /* The first column of each row's largest value in y[r*ld + c0 .. c1) (numpy's argmax: a NaN is
  * the largest, its first occurrence wins), as (*val, *idx). */
 static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int64_t *idx) {
@@ -1437,16 +1424,18 @@ static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int6
     *idx = c < c1 ? c : -1;
 }
 
-/* dd_gemm, and each row's argmax (numpy's: the first largest, a NaN first of all) into best[n]:
- * each thread scans half of the columns after the matmul, in the same parallel region, while
- * what it wrote is still in its own caches (its first span of outputs is that half; read after
- * the matmul from one thread, the logits of one token took 0.1 ms, a tenth of that warm). */
-int dd_gemm_argmax(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads, int64_t *best) {
+/* y [n, out] = x [n, in] W^T on nthreads threads; with best (else NULL), also each row's argmax
+ * (numpy's: the first largest, a NaN first of all) into best[n]: each thread scans half of the
+ * columns after the matmul, in the same parallel region, while what it wrote is still in its own
+ * caches (its first span of outputs is that half; read after the matmul from one thread, the
+ * logits of one token took 0.1 ms, a tenth of that warm). Returns 1 for a block weight whose inputs
+ * are not whole blocks, 2 when memory runs out. */
+int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads, int64_t *best) {
     if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
     if (nthreads < 1) nthreads = 1;
-    float *part_val = malloc((size_t)(n * nthreads) * sizeof(float));
-    int64_t *part_idx = malloc((size_t)(n * nthreads) * sizeof(int64_t));
-    if (!part_val || !part_idx) {
+    float *part_val = best ? malloc((size_t)(n * nthreads) * sizeof(float)) : NULL;
+    int64_t *part_idx = best ? malloc((size_t)(n * nthreads) * sizeof(int64_t)) : NULL;
+    if (best && (!part_val || !part_idx)) {
         free(part_val);
         free(part_idx);
         return 2;
@@ -1458,20 +1447,17 @@ int dd_gemm_argmax(const dd_weight *W, const float *x, int64_t n, float *y, int 
     {
         team_enter(spans, team_bar);
         gemm_shared(W, x, n, y, W->out, 0);
-        dd_sync();
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t c0 = W->out * t / nt, c1 = W->out * (t + 1) / nt;
-        for (int64_t r = 0; r < n; r++) {
-            float v;
-            int64_t i;
-            argmax_span(y + r * W->out, c0, c1, &v, &i);
-            part_val[r * nthreads + t] = v;
-            part_idx[r * nthreads + t] = i;
+        if (best) {
+            dd_sync();
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t c0 = W->out * t / nt, c1 = W->out * (t + 1) / nt;
+            for (int64_t r = 0; r < n; r++)
+                argmax_span(y + r * W->out, c0, c1, part_val + r * nthreads + t, part_idx + r * nthreads + t);
+            if (t == 0) used = nt;
         }
-        if (t == 0) used = nt;
         team_leave();
     }
-    for (int64_t r = 0; r < n; r++) {
+    for (int64_t r = 0; best && r < n; r++) {
         int64_t pick = -1;
         float v = -INFINITY;
         for (int t = 0; t < used; t++) {  /* halves in column order: a tie keeps the earlier */
