@@ -959,3 +959,20 @@ def test_the_matmuls_argmax_is_numpys_argmax_of_its_output(kind, threads):
         assert best.tolist() == [0, 0]
     finally:
         torch.set_num_threads(2)
+
+
+def test_a_sweep_of_matmuls_computes_each_as_its_own_call():
+    """gemm_sweep (the phase profile's matmuls alone): weights of several kinds and widths in one C
+    call, its output the last one's, bit for bit as that weight's own call; other input widths and
+    an empty list refused."""
+    a = quantised("q4_1", 48, 64, seed=1)[0].with_int8_activations()
+    b = quantised("q8_0", 300, 64, seed=2)[0]
+    c = native.NativeWeight.dense(torch.randn(20, 64))
+    x = torch.randn(3, 64)
+    for order in ([a, b, c], [c, b, a], [b, b, b, a, b]):
+        y = native.gemm_sweep(order, x)
+        assert torch.equal(y, order[-1](x))
+    with pytest.raises(ValueError, match="64 inputs"):
+        native.gemm_sweep([a, native.NativeWeight.dense(torch.randn(8, 32))], x)
+    with pytest.raises(ValueError):
+        native.gemm_sweep([], x)

@@ -11,6 +11,11 @@ summed over the layers, the layers' total, the rest of the forward (the lm_head,
 Python) and the forward itself. A phase's time includes its wait for the slower thread at its
 barrier. The profiling build computes the same bits as the normal one; only its counters differ.
 
+A second table times the matmuls alone (the layers' four and the lm_head; one C call each way,
+nothing between them): their weights streamed as a forward reads them, and a layer-sized weight
+again and again so that it stays in the caches. Where the two agree, the matmul is bound by its arithmetic and more rows cost
+more arithmetic, whatever the memory; the last line gives that arithmetic per unit of work.
+
 It answers "what makes a forward over 8 tokens cost more than over 1" on the machine at hand.
 """
 
@@ -67,6 +72,73 @@ def forward_phases(target, prefix: int, sizes: list[int], reps: int) -> dict[int
     return result
 
 
+MATMULS = ("q/k/v", "o", "gate/up", "down")  # a decoder layer's four matmuls, as the phases name them
+LM_SLICES = 16  # the lm_head in cache: a sixteenth of its rows (the size of a layer's gate/up) sixteen times
+
+
+def sweep_weights(target) -> dict[str, tuple[list, list]]:
+    """By matmul: (streamed, cached) lists of NativeWeight for native.gemm_sweep, the same work each.
+    Streamed: each decoder layer's own weight in turn (as a forward reads them), the lm_head once;
+    cached: the first layer's weight as many times, the first sixteenth of the lm_head's rows
+    sixteen times: small enough to stay in a core's caches, so that only the arithmetic is left."""
+    layers = {"q/k/v": [L._qkv_native for L in target.layers], "o": [L.o.native for L in target.layers],
+              "gate/up": [L.gate_up.native for L in target.layers], "down": [L.down.native for L in target.layers]}
+    out = {name: (ws, [ws[0]] * len(ws)) for name, ws in layers.items()}
+    lm = target.lm_head_w.native
+    if lm is not None and lm.out_features >= 16 * LM_SLICES:
+        part = lm.select(torch.arange(lm.out_features // LM_SLICES))
+        out["lm_head"] = ([lm], [part] * LM_SLICES)
+    return out
+
+
+def matmul_sweeps(target, sizes: list[int], reps: int) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per size N and matmul: (streamed, cached) median ms over N rows (:func:`sweep_weights`; one C
+    call each, native.gemm_sweep, nothing between the matmuls). Where the two agree the matmul is
+    bound by its arithmetic, where streamed is slower by its reads. Rounds interleave the sizes, the
+    matmuls and the two ways."""
+    from ddspec import native
+    from ddspec.machine import interleaved_medians
+
+    weights = sweep_weights(target)
+    gen = torch.Generator().manual_seed(0)
+    xs = {n: {name: torch.randn(n, ws[0][0].in_features, generator=gen) for name, ws in weights.items()} for n in sizes}
+    cases = [(n, name, cached) for n in sizes for name in weights for cached in (0, 1)]
+
+    def run(case) -> None:
+        n, name, cached = case
+        native.gemm_sweep(weights[name][cached], xs[n][name])
+
+    med = interleaved_medians(cases, run, reps)  # seconds
+    return {n: {name: (med[(n, name, 0)] * 1e3, med[(n, name, 1)] * 1e3) for name in weights} for n in sizes}
+
+
+def sweep_table(sweeps: dict[int, dict[str, tuple[float, float]]], layers: int) -> list[str]:
+    sizes = sorted(sweeps)
+    names = list(sweeps[sizes[0]])
+    lines = [f"| matmuls alone ({layers} layers; ms) | " + " | ".join(f"N = {n}" for n in sizes) + " |",
+             "|---|" + "---:|" * len(sizes)]
+    for name in (*names, "all"):
+        for k, how in ((0, "streamed"), (1, "in cache")):
+            vals = [sum(v[k] for v in sweeps[n].values()) if name == "all" else sweeps[n][name][k] for n in sizes]
+            label = f"**all, {how}**" if name == "all" else f"{name}, {how}"
+            lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return lines
+
+
+def row_cycles(sweeps: dict[int, dict[str, tuple[float, float]]], target, hz: float, threads: int) -> float | None:
+    """CPU cycles per thread that one more row costs per 16 outputs x 32 inputs of weight (a group's
+    block, the kernels' unit of work), from the in-cache sweeps of the two largest sizes: the
+    arithmetic's cost per unit, which sets how much dearer each verified token makes a forward."""
+    sizes = sorted(sweeps)
+    if len(sizes) < 2:
+        return None
+    a, b = sizes[-2], sizes[-1]
+    ms = sum(sweeps[b][name][1] - sweeps[a][name][1] for name in sweeps[b]) / (b - a)
+    units = sum((w.out_features + 15) // 16 * (w.in_features // 32)
+                for streamed, _ in sweep_weights(target).values() for w in streamed)
+    return ms * 1e-3 * hz * threads / units
+
+
 def table(result: dict[int, dict[str, float]]) -> list[str]:
     from ddspec import native
 
@@ -95,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=200, help="cached tokens before each forward (default 200)")
     ap.add_argument("--reps", type=int, default=15, help="timed rounds, the sizes interleaved (default 15)")
     ap.add_argument("--threads", type=int, default=core_count(), help="threads (default: the core count)")
+    ap.add_argument("--no-sweeps", action="store_true",
+                    help="skip the second table: the matmuls alone (the layers' four and the lm_head), their "
+                         "weights streamed from memory as in a forward and held in the caches (arithmetic alone)")
     args = ap.parse_args(argv)
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
@@ -126,6 +201,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{cpu_name()}, {args.threads} threads; medians of {args.reps} interleaved rounds (profiling build "
           f"{native.build_id()}).")
     print("\n".join(table(result)))
+    if not args.no_sweeps:
+        sweeps = matmul_sweeps(target, sizes, args.reps)
+        print()
+        print("\n".join(sweep_table(sweeps, len(target.layers))))
+        a, t0 = native.cycles(), time.perf_counter()
+        time.sleep(0.2)
+        hz = (native.cycles() - a) / (time.perf_counter() - t0)
+        per = row_cycles(sweeps, target, hz, args.threads)
+        if per is not None:
+            print(f"\nIn cache, each row past N = {sorted(sweeps)[-2]} costs {per:.1f} cycles of each of the {args.threads} "
+                  f"threads per 16 outputs x 32 inputs of weight (time-stamp counter at {hz / 1e9:.2f} GHz): "
+                  "the kernels' arithmetic per group and block.")
+        first = sizes[0]
+        floor = {n: sum(v[1] for v in sweeps[n].values()) for n in sizes}
+        print(f"The matmuls' arithmetic alone (all, in cache) over N tokens, against the forward over {first}: "
+              + ", ".join(f"N = {n}: {floor[n] / result[first]['forward']:.2f}x" for n in sizes if n != first)
+              + f": no forward over N tokens can cost less relative to the forward over {first} with these kernels "
+              "(attention and the rest come on top; the forward's own reads may overlap the arithmetic).")
     return 0
 
 

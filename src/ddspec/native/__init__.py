@@ -362,6 +362,9 @@ def library() -> ctypes.CDLL | None:
     lib.dd_gemm.argtypes = [ctypes.POINTER(_Weight), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
                             ctypes.c_void_p]
     lib.dd_gemm.restype = ctypes.c_int
+    lib.dd_gemm_sweep.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_int]
+    lib.dd_gemm_sweep.restype = ctypes.c_int
     lib.dd_layers_forward.argtypes = [ctypes.POINTER(_Layer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -521,6 +524,27 @@ class NativeWeight:
         if rc:
             raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
         return y.view(*lead, self.out_features)
+
+
+def gemm_sweep(weights: list[NativeWeight], x: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ W^T for each weight in turn, in one C call and one parallel region (dd_gemm_sweep):
+    the matmuls alone, without a call per matmul; returns the last one's output [n, out]. The same
+    weight listed k times times its arithmetic with the weight in the caches; k different weights
+    stream them as a forward does. Every weight must take ``in`` inputs."""
+    lib = library()
+    if lib is None:
+        raise ValueError("the native kernels are not built here")
+    if not weights or any(w.in_features != x.shape[-1] for w in weights):
+        raise ValueError(f"gemm_sweep: every weight must take {x.shape[-1]} inputs")
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = torch.empty(x2.shape[0], max(w.out_features for w in weights), dtype=torch.float32)
+    structs = [w.struct for w in weights]
+    ptrs = (ctypes.POINTER(_Weight) * len(structs))(*(ctypes.pointer(s) for s in structs))
+    if lib.dd_gemm_sweep(ctypes.addressof(ptrs), len(structs), x2.data_ptr(), x2.shape[0], y.data_ptr(),
+                         torch.get_num_threads()):
+        raise ValueError("dd_gemm_sweep refused a quantised weight whose input width is not a multiple of 32")
+    n, out = x2.shape[0], weights[-1].out_features
+    return y.view(-1)[:n * out].view(n, out)  # each matmul writes its rows out wide
 
 
 def _blocks_of(w_oi: torch.Tensor) -> torch.Tensor:

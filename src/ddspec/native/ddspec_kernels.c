@@ -1474,6 +1474,29 @@ int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthread
     return 0;
 }
 
+/* y = x @ W[i]^T for i = 0 .. count - 1 in turn (each over the same n rows, into the same y), in one
+ * parallel region: the matmuls alone, as a forward's layers run them but with nothing between them
+ * and no call per matmul. The same weight `count` times stays in the caches (its arithmetic
+ * alone); `count` different ones stream from memory as in a forward (python -m ddspec.bench.phases
+ * compares the two). y holds n x the widest output. Returns 0, or 1 for a quantised weight whose
+ * input width is not a multiple of 32. */
+int dd_gemm_sweep(const dd_weight *const *W, int64_t count, const float *x, int64_t n, float *y, int nthreads) {
+    for (int64_t i = 0; i < count; i++)
+        if ((W[i]->kind == DD_Q4_1 || W[i]->kind == DD_Q8_0 || W[i]->kind == DD_Q4_1_A8 || W[i]->kind == DD_Q8_0_A8) &&
+            W[i]->in % 32)
+            return 1;
+    if (nthreads < 1) nthreads = 1;
+    dd_span spans[DD_MAX_SPANS] = {{0}};
+    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
+#pragma omp parallel num_threads(nthreads)
+    {
+        team_enter(spans, team_bar);
+        for (int64_t i = 0; i < count; i++) gemm_shared(W[i], x, n, y, W[i]->out, 0);
+        team_leave();
+    }
+    return 0;
+}
+
 /* e^x (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]; e^-inf = 0) on 8 lanes (exp8)
  * or 16 (exp16): one sequence of operations, P the intrinsics' prefix, so every lane computes the
  * same value whichever width runs it. EXP_REDUCE clamps x and takes fx = x log2(e) + 1/2 (floored
