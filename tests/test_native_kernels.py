@@ -850,6 +850,34 @@ def test_a_screening_sweep_leaves_only_the_close_options_to_time(monkeypatch):
         native.set_wide("q4_1", before["q4_1"])
 
 
+@pytest.mark.skipif(not native.wide_available("q4_1"), reason="these kernels were built without the AVX-512 passes")
+def test_the_matmuls_alone_screen_out_the_passes_that_slow_them(monkeypatch):
+    """With ``alone`` (a kind's matmuls run alone), options that make them slower than the fastest by
+    more than alone_margin are gone before the whole run is timed, even where the whole run would
+    have chosen one of them (its share of a forward hiding the difference); the choice among the
+    kept ones is the whole run's."""
+    monkeypatch.setattr(native, "_forward_tuned", {})
+    before = native.wide_choice()
+    kept = {rows: set(native.wide_options(rows)[-2:]) for rows in range(1, native.WIDE_ROWS + 1)}
+    timed_whole = set()
+
+    def alone(kind: str, rows: int) -> None:
+        assert kind == "q4_1"
+        time.sleep(0.002 if native.wide_choice()["q4_1"][rows - 1] in kept[rows] else 0.006)
+
+    def run(rows: int) -> None:
+        g = native.wide_choice()["q4_1"][rows - 1]
+        timed_whole.add((rows, g))
+        time.sleep(0.001 if g == native.wide_options(rows)[0] else 0.002 if g == native.wide_options(rows)[-1] else 0.004)
+
+    try:
+        chosen = native.measure_wide_on(run, ["q4_1"], reps=3, rounds=1, alone=alone, alone_margin=0.5)["q4_1"]
+        assert chosen == [native.wide_options(r)[-1] for r in range(1, native.WIDE_ROWS + 1)]
+        assert timed_whole <= {(r, g) for r in kept for g in kept[r]}
+    finally:
+        native.set_wide("q4_1", before["q4_1"])
+
+
 def test_the_int8_model_keeps_fp16_keys_and_values_rounded_once(tiny_dirs, monkeypatch):
     """--activations int8: the cache holds fp16 (half the bytes its attention reads); each key and
     value is the fp32 one the forward computes, rounded to the nearest fp16 (the first layer's of a

@@ -91,37 +91,54 @@ def sweep_weights(target) -> dict[str, tuple[list, list]]:
     return out
 
 
-def matmul_sweeps(target, sizes: list[int], reps: int) -> dict[int, dict[str, tuple[float, float]]]:
+def matmul_sweeps(target, prefix: int, sizes: list[int], reps: int) -> dict[int, dict[str, tuple[float, float]]]:
     """Per size N and matmul: (streamed, cached) median ms over N rows (:func:`sweep_weights`; one C
-    call each, native.gemm_sweep, nothing between the matmuls). Where the two agree the matmul is
-    bound by its arithmetic, where streamed is slower by its reads. Rounds interleave the sizes, the
-    matmuls and the two ways."""
+    call each, native.gemm_sweep, nothing between the matmuls), and under ``"forward"`` (the same
+    value twice) the forward over N tokens after ``prefix`` timed in the same rounds (as
+    :func:`forward_phases` times it), so that the two compare within one minute of this machine.
+    Where streamed and cached agree the matmul is bound by its arithmetic, where streamed is slower
+    by its reads. Rounds interleave everything."""
     from ddspec import native
+    from ddspec.bench.target import prefixed_forwards
     from ddspec.machine import interleaved_medians
 
     weights = sweep_weights(target)
     gen = torch.Generator().manual_seed(0)
     xs = {n: {name: torch.randn(n, ws[0][0].in_features, generator=gen) for name, ws in weights.items()} for n in sizes}
-    cases = [(n, name, cached) for n in sizes for name in weights for cached in (0, 1)]
+    forward, settle = prefixed_forwards(target, prefix, sizes)
+    cases = [(n, name, cached) for n in sizes for name in weights for cached in (0, 1)] + [(n, "forward", 0) for n in sizes]
+
+    def setup(case) -> None:
+        if case[1] == "forward":
+            settle(case[0])
 
     def run(case) -> None:
         n, name, cached = case
-        native.gemm_sweep(weights[name][cached], xs[n][name])
+        if name == "forward":
+            forward(n)
+        else:
+            native.gemm_sweep(weights[name][cached], xs[n][name])
 
-    med = interleaved_medians(cases, run, reps)  # seconds
-    return {n: {name: (med[(n, name, 0)] * 1e3, med[(n, name, 1)] * 1e3) for name in weights} for n in sizes}
+    med = interleaved_medians(cases, run, reps, setup=setup)  # seconds
+    target.truncate(prefix)
+    out = {n: {name: (med[(n, name, 0)] * 1e3, med[(n, name, 1)] * 1e3) for name in weights} for n in sizes}
+    for n in sizes:
+        out[n]["forward"] = (med[(n, "forward", 0)] * 1e3,) * 2
+    return out
 
 
 def sweep_table(sweeps: dict[int, dict[str, tuple[float, float]]], layers: int) -> list[str]:
     sizes = sorted(sweeps)
-    names = list(sweeps[sizes[0]])
+    names = [name for name in sweeps[sizes[0]] if name != "forward"]
     lines = [f"| matmuls alone ({layers} layers; ms) | " + " | ".join(f"N = {n}" for n in sizes) + " |",
              "|---|" + "---:|" * len(sizes)]
     for name in (*names, "all"):
         for k, how in ((0, "streamed"), (1, "in cache")):
-            vals = [sum(v[k] for v in sweeps[n].values()) if name == "all" else sweeps[n][name][k] for n in sizes]
+            vals = [sum(sweeps[n][m][k] for m in names) if name == "all" else sweeps[n][name][k] for n in sizes]
             label = f"**all, {how}**" if name == "all" else f"{name}, {how}"
             lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    lines.append("| forward over N tokens, the same rounds | " + " | ".join(f"{sweeps[n]['forward'][0]:.3f}" for n in sizes)
+                 + " |")
     return lines
 
 
@@ -133,7 +150,7 @@ def row_cycles(sweeps: dict[int, dict[str, tuple[float, float]]], target, hz: fl
     if len(sizes) < 2:
         return None
     a, b = sizes[-2], sizes[-1]
-    ms = sum(sweeps[b][name][1] - sweeps[a][name][1] for name in sweeps[b]) / (b - a)
+    ms = sum(sweeps[b][name][1] - sweeps[a][name][1] for name in sweeps[b] if name != "forward") / (b - a)
     units = sum((w.out_features + 15) // 16 * (w.in_features // 32)
                 for streamed, _ in sweep_weights(target).values() for w in streamed)
     return ms * 1e-3 * hz * threads / units
@@ -202,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{native.build_id()}).")
     print("\n".join(table(result)))
     if not args.no_sweeps:
-        sweeps = matmul_sweeps(target, sizes, args.reps)
+        sweeps = matmul_sweeps(target, args.prefix, sizes, args.reps)
         print()
         print("\n".join(sweep_table(sweeps, len(target.layers))))
         a, t0 = native.cycles(), time.perf_counter()
@@ -214,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"threads per 16 outputs x 32 inputs of weight (time-stamp counter at {hz / 1e9:.2f} GHz): "
                   "the kernels' arithmetic per group and block.")
         first = sizes[0]
-        floor = {n: sum(v[1] for v in sweeps[n].values()) for n in sizes}
-        print(f"The matmuls' arithmetic alone (all, in cache) over N tokens, against the forward over {first}: "
-              + ", ".join(f"N = {n}: {floor[n] / result[first]['forward']:.2f}x" for n in sizes if n != first)
+        floor = {n: sum(v[1] for name, v in sweeps[n].items() if name != "forward") for n in sizes}
+        one = sweeps[first]["forward"][0]
+        print(f"The matmuls' arithmetic alone (all, in cache) over N tokens, against the forward over {first} "
+              "in the same rounds: "
+              + ", ".join(f"N = {n}: {floor[n] / one:.2f}x" for n in sizes if n != first)
               + f": no forward over N tokens can cost less relative to the forward over {first} with these kernels "
               "(attention and the rest come on top; the forward's own reads may overlap the arithmetic).")
     return 0

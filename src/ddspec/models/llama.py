@@ -443,9 +443,21 @@ class NativeLlama:
         def run(n: int) -> None:
             self.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
 
+        # each kind's matmuls alone (the screening of tune_wide_on_forward): the layers' weights of
+        # that kind in a forward's order, then the lm_head's, one C call per input width
+        mats = [w for layer in self.layers for w in (getattr(layer, "_qkv_native", None), layer.o.native, layer.gate_up.native,
+                                                       layer.down.native) if w is not None]
+        if self.lm_head_w.native is not None:
+            mats.append(self.lm_head_w.native)
+        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in {m.in_features for m in mats}}
+
+        def alone(kind: str, n: int) -> None:
+            for width in sorted({m.in_features for m in mats if m.kind == kind}):
+                native.gemm_sweep([m for m in mats if m.kind == kind and m.in_features == width], xs[n, width])
+
         model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "bytes": streamed_bytes}
         try:
-            native.tune_wide_on_forward(kinds, model, run, setup)
+            native.tune_wide_on_forward(kinds, model, run, setup, alone=alone)
         finally:
             self.cache = None
 

@@ -931,7 +931,7 @@ _forward_tuned: dict[str, list[int]] = {}
 
 
 def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: int = 1, screen: int = 0,
-                    margin: float = 0.06) -> dict[str, list[int]]:
+                    margin: float = 0.06, alone=None, alone_margin: float = 0.10) -> dict[str, list[int]]:
     """For each tile size 1..WIDE_ROWS and each of ``kinds`` in turn (the others as chosen so far),
     the groups per pass (of :func:`wide_options`) under which ``run(rows)`` (a whole forward over that
     many rows, say) takes the smallest median (:func:`~ddspec.machine.interleaved_medians`, ``setup(rows)``
@@ -940,7 +940,13 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
     timings in one sweep does not decide the choice. With ``screen`` > 0 a first, shorter sweep
     (``screen`` timings of each option) keeps only the options within ``margin`` of its fastest
     for the ``rounds`` sweeps: most options lose by 10-60%, and timing them as long as the close
-    ones only made the first run slow. Starts from the choice in use and leaves the result set."""
+    ones only made the first run slow. With ``alone`` (``alone(kind, rows)`` runs that kind's
+    matmuls alone over that many rows, e.g. :func:`gemm_sweep` over a model's weights of the kind),
+    a sweep of those first (``max(screen, 5)`` timings of each option) keeps only the options within
+    ``alone_margin`` of its fastest: a pass that makes one kind's matmuls much slower is gone before
+    the whole runs, in which one kind's share of the time hides it among the run's other work (an
+    Intel Xeon's tuning had twice kept the 8-lane passes for two rows of the lm_head, 1.1-1.2x as
+    slow there as the 16-lane ones). Starts from the choice in use and leaves the result set."""
     from ddspec.machine import interleaved_medians
 
     chosen = {kind: list(wide_choice()[kind]) for kind in kinds}
@@ -974,6 +980,17 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
                 chosen[kind][rows - 1] = min(best, key=best.get)
                 set_wide(kind, chosen[kind])
 
+    if alone is not None:
+        for rows in range(1, WIDE_ROWS + 1):
+            for kind in kinds:
+                left = options[kind, rows]
+                if len(left) > 1:
+                    medians = interleaved_medians(left, lambda g, kind=kind, rows=rows: alone(kind, rows),
+                                                  max(screen, 5), setup=lambda g, kind=kind, rows=rows: _set_one(kind, rows, g))
+                    fastest = min(medians.values())
+                    options[kind, rows] = [g for g in left if medians[g] <= fastest * (1 + alone_margin)]
+        for kind in kinds:
+            set_wide(kind, chosen[kind])
     if screen > 0:
         sweep(screen, True)
     for _ in range(rounds):
@@ -981,8 +998,15 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
     return chosen
 
 
+def _set_one(kind: str, rows: int, groups: int) -> None:
+    """The passes for one tile size of one kind, the others as they are."""
+    choice = list(wide_choice()[kind])
+    choice[rows - 1] = groups
+    set_wide(kind, choice)
+
+
 def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: int = 5,
-                         rounds: int = 2, screen: int = 4) -> dict[str, list[int]]:
+                         rounds: int = 2, screen: int = 4, alone=None) -> dict[str, list[int]]:
     """The AVX-512 passes' groups per pass for ``kinds`` (those a model's forward multiplies with),
     chosen on that forward itself: ``run(rows)`` runs it over that many new tokens
     (:func:`measure_wide_on`). :func:`choose_wide` times each kind's matmuls alone, one call per
@@ -1009,7 +1033,7 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
 
     def measure() -> dict:
         print("ddspec: timing the kernel passes on this model's forward (once, cached)", file=sys.stderr)
-        return {"groups": measure_wide_on(run, kinds, reps, setup, rounds, screen)}
+        return {"groups": measure_wide_on(run, kinds, reps, setup, rounds, screen, alone=alone)}
 
     def apply(data: dict) -> None:
         for kind in kinds:
@@ -1017,7 +1041,7 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
             _forward_tuned[kind] = list(data["groups"][kind])
 
     key = {"format": 2, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(),
-           "model": model, "kinds": kinds, "rounds": rounds, "reps": reps, "screen": screen}
+           "model": model, "kinds": kinds, "rounds": rounds, "reps": reps, "screen": screen, "alone": alone is not None}
     return _cached_choice("wide-forward", key, measure, apply)["groups"]
 
 
