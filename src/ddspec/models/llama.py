@@ -412,8 +412,9 @@ class NativeLlama:
 
     def _tune_wide(self, blocks: dict, head_name: str, prefix: int = 128) -> None:
         """Choose the AVX-512 passes of the kinds this forward multiplies with (the layers' and the
-        lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``: once per
-        machine, cached (native.tune_wide_on_forward). Models whose layer weights are smaller than
+        lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``, among the
+        options that each kind's matmuls alone (native.gemm_sweep over this model's weights of the
+        kind) keep: once per machine, cached (native.tune_wide_on_forward). Models whose layer weights are smaller than
         WIDE_TIMING_BYTES / 4 (test models: they stay in the caches, unlike a real forward's) keep
         the choice timed on their matmuls alone (_choose_wide)."""
         from ddspec import native
