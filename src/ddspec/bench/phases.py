@@ -13,8 +13,10 @@ barrier. The profiling build computes the same bits as the normal one; only its 
 
 A second table times the matmuls alone (the layers' four and the lm_head; one C call each way,
 nothing between them): their weights streamed as a forward reads them, and a layer-sized weight
-again and again so that it stays in the caches. Where the two agree, the matmul is bound by its arithmetic and more rows cost
-more arithmetic, whatever the memory; the last line gives that arithmetic per unit of work.
+again and again so that it stays in the caches. Where the two agree, the matmul is bound by its
+arithmetic and more rows cost more arithmetic, whatever the memory; the lines under it give that
+arithmetic per unit of work and, against the forward over the smallest N timed in the same
+rounds, the floor it puts under the forward's growth with N.
 
 It answers "what makes a forward over 8 tokens cost more than over 1" on the machine at hand.
 """
@@ -72,7 +74,6 @@ def forward_phases(target, prefix: int, sizes: list[int], reps: int) -> dict[int
     return result
 
 
-MATMULS = ("q/k/v", "o", "gate/up", "down")  # a decoder layer's four matmuls, as the phases name them
 LM_SLICES = 16  # the lm_head in cache: a sixteenth of its rows (the size of a layer's gate/up) sixteen times
 
 
@@ -106,7 +107,8 @@ def matmul_sweeps(target, prefix: int, sizes: list[int], reps: int) -> dict[int,
     gen = torch.Generator().manual_seed(0)
     xs = {n: {name: torch.randn(n, ws[0][0].in_features, generator=gen) for name, ws in weights.items()} for n in sizes}
     forward, settle = prefixed_forwards(target, prefix, sizes)
-    cases = [(n, name, cached) for n in sizes for name in weights for cached in (0, 1)] + [(n, "forward", 0) for n in sizes]
+    cases = [(n, name, cached) for n in sizes for name in weights for cached in (0, 1)]
+    cases += [(n, "forward", 0) for n in sizes]
 
     def setup(case) -> None:
         if case[1] == "forward":
@@ -137,8 +139,8 @@ def sweep_table(sweeps: dict[int, dict[str, tuple[float, float]]], layers: int) 
             vals = [sum(sweeps[n][m][k] for m in names) if name == "all" else sweeps[n][name][k] for n in sizes]
             label = f"**all, {how}**" if name == "all" else f"{name}, {how}"
             lines.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    lines.append("| forward over N tokens, the same rounds | " + " | ".join(f"{sweeps[n]['forward'][0]:.3f}" for n in sizes)
-                 + " |")
+    forwards = " | ".join(f"{sweeps[n]['forward'][0]:.3f}" for n in sizes)
+    lines.append(f"| forward over N tokens, the same rounds | {forwards} |")
     return lines
 
 
@@ -227,17 +229,17 @@ def main(argv: list[str] | None = None) -> int:
         hz = (native.cycles() - a) / (time.perf_counter() - t0)
         per = row_cycles(sweeps, target, hz, args.threads)
         if per is not None:
-            print(f"\nIn cache, each row past N = {sorted(sweeps)[-2]} costs {per:.1f} cycles of each of the {args.threads} "
-                  f"threads per 16 outputs x 32 inputs of weight (time-stamp counter at {hz / 1e9:.2f} GHz): "
-                  "the kernels' arithmetic per group and block.")
+            print(f"\nIn cache, each row past N = {sorted(sweeps)[-2]} costs {per:.1f} cycles of each of the "
+                  f"{args.threads} threads per 16 outputs x 32 inputs of weight (time-stamp counter at "
+                  f"{hz / 1e9:.2f} GHz): the kernels' arithmetic per group and block.")
         first = sizes[0]
         floor = {n: sum(v[1] for name, v in sweeps[n].items() if name != "forward") for n in sizes}
         one = sweeps[first]["forward"][0]
         print(f"The matmuls' arithmetic alone (all, in cache) over N tokens, against the forward over {first} "
               "in the same rounds: "
               + ", ".join(f"N = {n}: {floor[n] / one:.2f}x" for n in sizes if n != first)
-              + f": no forward over N tokens can cost less relative to the forward over {first} with these kernels "
-              "(attention and the rest come on top; the forward's own reads may overlap the arithmetic).")
+              + f": no forward over N tokens can cost less relative to the forward over {first} with these "
+              "kernels (attention and the rest come on top; the forward's own reads may overlap the arithmetic).")
     return 0
 
 

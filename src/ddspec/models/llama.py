@@ -414,9 +414,9 @@ class NativeLlama:
         """Choose the AVX-512 passes of the kinds this forward multiplies with (the layers' and the
         lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``, among the
         options that each kind's matmuls alone (native.gemm_sweep over this model's weights of the
-        kind) keep: once per machine, cached (native.tune_wide_on_forward). Models whose layer weights are smaller than
-        WIDE_TIMING_BYTES / 4 (test models: they stay in the caches, unlike a real forward's) keep
-        the choice timed on their matmuls alone (_choose_wide)."""
+        kind) keep: once per machine, cached (native.tune_wide_on_forward). Models whose layer
+        weights are smaller than WIDE_TIMING_BYTES / 4 (test models: they stay in the caches, unlike
+        a real forward's) keep the choice timed on their matmuls alone (_choose_wide)."""
         from ddspec import native
 
         streamed = [b for name, b in blocks.items() if name.startswith("layers.")]
@@ -446,11 +446,13 @@ class NativeLlama:
 
         # each kind's matmuls alone (the screening of tune_wide_on_forward): the layers' weights of
         # that kind in a forward's order, then the lm_head's, one C call per input width
-        mats = [w for layer in self.layers for w in (getattr(layer, "_qkv_native", None), layer.o.native, layer.gate_up.native,
-                                                       layer.down.native) if w is not None]
+        mats = [w for layer in self.layers
+                for w in (getattr(layer, "_qkv_native", None), layer.o.native, layer.gate_up.native, layer.down.native)
+                if w is not None]
         if self.lm_head_w.native is not None:
             mats.append(self.lm_head_w.native)
-        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in {m.in_features for m in mats}}
+        widths = {m.in_features for m in mats}
+        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in widths}
 
         def alone(kind: str, n: int) -> None:
             for width in sorted({m.in_features for m in mats if m.kind == kind}):
