@@ -35,6 +35,15 @@ import torch
 from ddspec.machine import core_count
 
 
+def counter_hz() -> float:
+    """The time-stamp counter's ticks per second, over 0.2 s of the clock (the profiling build)."""
+    from ddspec import native
+
+    a, t0 = native.cycles(), time.perf_counter()
+    time.sleep(0.2)
+    return (native.cycles() - a) / (time.perf_counter() - t0)
+
+
 def forward_phases(target, prefix: int, sizes: list[int], reps: int) -> dict[int, dict[str, float]]:
     """Median ms per phase (native.PHASES), ``layers``, ``rest`` and ``forward`` for each size, the
     forwards timed as ``bench.target.forward_times`` times them (same prefix, order and settling)."""
@@ -43,9 +52,7 @@ def forward_phases(target, prefix: int, sizes: list[int], reps: int) -> dict[int
     from ddspec.calibrate import size_groups
     from ddspec.machine import interleaved_medians
 
-    a, t0 = native.cycles(), time.perf_counter()
-    time.sleep(0.2)
-    hz = (native.cycles() - a) / (time.perf_counter() - t0)
+    hz = counter_hz()
     run, settle = prefixed_forwards(target, prefix, sizes)
     samples: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in sizes}  # (wall ms, phase ms)
 
@@ -92,8 +99,9 @@ def sweep_weights(target) -> dict[str, tuple[list, list]]:
     return out
 
 
-def matmul_sweeps(target, prefix: int, sizes: list[int], reps: int) -> dict[int, dict[str, tuple[float, float]]]:
-    """Per size N and matmul: (streamed, cached) median ms over N rows (:func:`sweep_weights`; one C
+def matmul_sweeps(target, weights: dict[str, tuple[list, list]], prefix: int, sizes: list[int],
+                  reps: int) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per size N and matmul: (streamed, cached) median ms over N rows (``weights``: :func:`sweep_weights`; one C
     call each, native.gemm_sweep, nothing between the matmuls), and under ``"forward"`` (the same
     value twice) the forward over N tokens after ``prefix`` timed in the same rounds (as
     :func:`forward_phases` times it), so that the two compare within one minute of this machine.
@@ -103,7 +111,6 @@ def matmul_sweeps(target, prefix: int, sizes: list[int], reps: int) -> dict[int,
     from ddspec.bench.target import prefixed_forwards
     from ddspec.machine import interleaved_medians
 
-    weights = sweep_weights(target)
     gen = torch.Generator().manual_seed(0)
     xs = {n: {name: torch.randn(n, ws[0][0].in_features, generator=gen) for name, ws in weights.items()} for n in sizes}
     forward, settle = prefixed_forwards(target, prefix, sizes)
@@ -144,7 +151,8 @@ def sweep_table(sweeps: dict[int, dict[str, tuple[float, float]]], layers: int) 
     return lines
 
 
-def row_cycles(sweeps: dict[int, dict[str, tuple[float, float]]], target, hz: float, threads: int) -> float | None:
+def row_cycles(sweeps: dict[int, dict[str, tuple[float, float]]], weights: dict[str, tuple[list, list]], hz: float,
+               threads: int) -> float | None:
     """CPU cycles per thread that one more row costs per 16 outputs x 32 inputs of weight (a group's
     block, the kernels' unit of work), from the in-cache sweeps of the two largest sizes: the
     arithmetic's cost per unit, which sets how much dearer each verified token makes a forward."""
@@ -154,7 +162,7 @@ def row_cycles(sweeps: dict[int, dict[str, tuple[float, float]]], target, hz: fl
     a, b = sizes[-2], sizes[-1]
     ms = sum(sweeps[b][name][1] - sweeps[a][name][1] for name in sweeps[b] if name != "forward") / (b - a)
     units = sum((w.out_features + 15) // 16 * (w.in_features // 32)
-                for streamed, _ in sweep_weights(target).values() for w in streamed)
+                for streamed, _ in weights.values() for w in streamed)
     return ms * 1e-3 * hz * threads / units
 
 
@@ -221,13 +229,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{native.build_id()}).")
     print("\n".join(table(result)))
     if not args.no_sweeps:
-        sweeps = matmul_sweeps(target, args.prefix, sizes, args.reps)
+        weights = sweep_weights(target)
+        sweeps = matmul_sweeps(target, weights, args.prefix, sizes, args.reps)
         print()
         print("\n".join(sweep_table(sweeps, len(target.layers))))
-        a, t0 = native.cycles(), time.perf_counter()
-        time.sleep(0.2)
-        hz = (native.cycles() - a) / (time.perf_counter() - t0)
-        per = row_cycles(sweeps, target, hz, args.threads)
+        hz = counter_hz()
+        per = row_cycles(sweeps, weights, hz, args.threads)
         if per is not None:
             print(f"\nIn cache, each row past N = {sorted(sweeps)[-2]} costs {per:.1f} cycles of each of the "
                   f"{args.threads} threads per 16 outputs x 32 inputs of weight (time-stamp counter at "

@@ -175,13 +175,19 @@ class EagleDrafter:
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probs over the draft vocabulary (the tree's scores): hidden [n, H] -> [n, Vd]
         (Vd + E with E context tokens added, see context_vocab.py)."""
-        x = self.head.logits_input(hidden)
-        logits = self.lm_head(x).float()
-        if self.context is not None and self.context.size:
-            logits = torch.cat([logits, self.context.logits(x)], dim=-1)
+        logits, extra = self._draft_logits(hidden)
+        logits = logits.float()
+        if extra is not None:
+            logits = torch.cat([logits, extra], dim=-1)
         if self.temperature != 1.0:
             logits = logits * (1.0 / self.temperature)
         return torch.log_softmax(logits, dim=-1)
+
+    def _draft_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft lm_head's logits of hidden [n, H] and the context tokens' (None without any)."""
+        x = self.head.logits_input(hidden)
+        extra = self.context.logits(x) if self.context is not None and self.context.size else None
+        return self.lm_head(x), extra
 
     @property
     def vocab_ids(self) -> torch.Tensor | None:
@@ -438,9 +444,7 @@ class EagleDrafter:
         if hidden.device.type != "cpu" or not native_lib.available():
             logprobs = self.logprobs(hidden)
             return logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        x = self.head.logits_input(hidden)
-        logits = self.lm_head(x)
-        extra = self.context.logits(x) if self.context is not None and self.context.size else None
+        logits, extra = self._draft_logits(hidden)
         k = min(k, logits.shape[-1] + (0 if extra is None else extra.shape[-1]))
         return native_lib.top_logprobs(logits, extra, 1.0 / self.temperature, k)
 

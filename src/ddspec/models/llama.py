@@ -451,12 +451,14 @@ class NativeLlama:
                 if w is not None]
         if self.lm_head_w.native is not None:
             mats.append(self.lm_head_w.native)
-        widths = {m.in_features for m in mats}
-        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in widths}
+        by_kind: dict[str, dict[int, list]] = {}  # kind -> input width -> its weights, in a forward's order
+        for m in mats:
+            by_kind.setdefault(m.kind, {}).setdefault(m.in_features, []).append(m)
+        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in {m.in_features for m in mats}}
 
         def alone(kind: str, n: int) -> None:
-            for width in sorted({m.in_features for m in mats if m.kind == kind}):
-                native.gemm_sweep([m for m in mats if m.kind == kind and m.in_features == width], xs[n, width])
+            for width, weights in by_kind.get(kind, {}).items():
+                native.gemm_sweep(weights, xs[n, width])
 
         model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "bytes": streamed_bytes}
         try:

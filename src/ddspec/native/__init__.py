@@ -953,13 +953,16 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
     options = {(kind, rows): list(wide_options(rows, kind)) for kind in kinds for rows in range(1, WIDE_ROWS + 1)}
     seen: dict[tuple[str, int], dict[int, float]] = {}  # (kind, rows) -> option -> smallest median so far
 
+    def use(kind: str, rows: int, g: int) -> None:  # option g for this tile size, the others as chosen so far
+        groups = list(chosen[kind])
+        groups[rows - 1] = g
+        set_wide(kind, groups)
+
     def sweep(reps: int, screening: bool) -> None:
         for rows in range(1, WIDE_ROWS + 1):
             for kind in kinds:
                 def put(g: int, kind=kind, rows=rows) -> None:
-                    groups = list(chosen[kind])
-                    groups[rows - 1] = g
-                    set_wide(kind, groups)
+                    use(kind, rows, g)
                     if setup is not None:
                         setup(rows)
 
@@ -986,7 +989,7 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
                 left = options[kind, rows]
                 if len(left) > 1:
                     medians = interleaved_medians(left, lambda g, kind=kind, rows=rows: alone(kind, rows),
-                                                  max(screen, 5), setup=lambda g, kind=kind, rows=rows: _set_one(kind, rows, g))
+                                                  max(screen, 5), setup=lambda g, kind=kind, rows=rows: use(kind, rows, g))
                     fastest = min(medians.values())
                     options[kind, rows] = [g for g in left if medians[g] <= fastest * (1 + alone_margin)]
         for kind in kinds:
@@ -996,13 +999,6 @@ def measure_wide_on(run, kinds: list[str], reps: int = 11, setup=None, rounds: i
     for _ in range(rounds):
         sweep(reps, False)
     return chosen
-
-
-def _set_one(kind: str, rows: int, groups: int) -> None:
-    """The passes for one tile size of one kind, the others as they are."""
-    choice = list(wide_choice()[kind])
-    choice[rows - 1] = groups
-    set_wide(kind, choice)
 
 
 def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: int = 5,

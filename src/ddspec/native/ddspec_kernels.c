@@ -1424,6 +1424,11 @@ static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int6
     *idx = c < c1 ? c : -1;
 }
 
+/* Whether the matmul entries refuse W: a block weight whose inputs are not whole blocks of 32. */
+static int partial_blocks(const dd_weight *W) {
+    return (W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32;
+}
+
 /* y [n, out] = x [n, in] W^T on nthreads threads; with best (else NULL), also each row's argmax
  * (numpy's: the first largest, a NaN first of all) into best[n]: each thread scans half of the
  * columns after the matmul, in the same parallel region, while what it wrote is still in its own
@@ -1431,7 +1436,7 @@ static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int6
  * logits of one token took 0.1 ms, a tenth of that warm). Returns 1 for a block weight whose inputs
  * are not whole blocks, 2 when memory runs out. */
 int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthreads, int64_t *best) {
-    if ((W->kind == DD_Q4_1 || W->kind == DD_Q8_0 || W->kind == DD_Q4_1_A8 || W->kind == DD_Q8_0_A8) && W->in % 32) return 1;
+    if (partial_blocks(W)) return 1;
     if (nthreads < 1) nthreads = 1;
     float *part_val = best ? malloc((size_t)(n * nthreads) * sizeof(float)) : NULL;
     int64_t *part_idx = best ? malloc((size_t)(n * nthreads) * sizeof(int64_t)) : NULL;
@@ -1482,9 +1487,7 @@ int dd_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int nthread
  * input width is not a multiple of 32. */
 int dd_gemm_sweep(const dd_weight *const *W, int64_t count, const float *x, int64_t n, float *y, int nthreads) {
     for (int64_t i = 0; i < count; i++)
-        if ((W[i]->kind == DD_Q4_1 || W[i]->kind == DD_Q8_0 || W[i]->kind == DD_Q4_1_A8 || W[i]->kind == DD_Q8_0_A8) &&
-            W[i]->in % 32)
-            return 1;
+        if (partial_blocks(W[i])) return 1;
     if (nthreads < 1) nthreads = 1;
     dd_span spans[DD_MAX_SPANS] = {{0}};
     dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
