@@ -10,8 +10,8 @@ rounds as the pass, and prints what the pass alone, at its L1 rate on every thre
     T(N) >= N x (the model's multiply-adds / 512) x (cycles per row and group-block) / (threads x counter rate)
 
 a bound no forward with these kernels can beat, whatever its memory traffic (as if every weight
-were in L1); the forward's attention, norms and lm_head argmax come on top. Where ``sums only`` is close to ``pass``, the block end is cheap; where ``pass`` is close
-to its dot products' share of the vector units, the pass is at its arithmetic bound.
+were in L1); the forward's attention, norms and lm_head argmax come on top. The difference
+between the pass and its integer sums alone is what the format's block end costs.
 
 Run: python scripts/pass_cycles.py [--forward] [--threads 2]
 """
@@ -119,7 +119,9 @@ def forward_bound(exe: Path, args, cpus: list[int], hz: float) -> None:
           + ", ".join(f"T({n}) {med[n]:.2f} ms" for n in sizes)
           + f"; the pass in the same rounds {statistics.median(p[0] for p in passes):.2f} cycles "
           f"(sums alone {statistics.median(p[1] for p in passes):.2f})")
-    ms = lambda n, cycles: n * units * cycles / (len(cpus) * hz) * 1e3  # noqa: E731
+    def ms(n: int, cycles: float) -> float:  # n rows of the pass at this many cycles per row and group-block
+        return n * units * cycles / (len(cpus) * hz) * 1e3
+
     for n in sizes[1:]:
         floor = statistics.median(ms(n, p[0]) / t for p, t in zip(passes, times[1]))
         bare = statistics.median(ms(n, p[1]) / t for p, t in zip(passes, times[1]))
