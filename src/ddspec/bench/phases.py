@@ -89,10 +89,10 @@ def sweep_weights(target) -> dict[str, tuple[list, list]]:
     Streamed: each decoder layer's own weight in turn (as a forward reads them), the lm_head once;
     cached: the first layer's weight as many times, the first sixteenth of the lm_head's rows
     sixteen times: small enough to stay in a core's caches, so that only the arithmetic is left."""
-    layers = {"q/k/v": [L._qkv_native for L in target.layers], "o": [L.o.native for L in target.layers],
-              "gate/up": [L.gate_up.native for L in target.layers], "down": [L.down.native for L in target.layers]}
+    layers = target.native_matmuls()
+    heads = layers.pop("lm_head")
     out = {name: (ws, [ws[0]] * len(ws)) for name, ws in layers.items()}
-    lm = target.lm_head_w.native
+    lm = heads[0] if heads else None
     if lm is not None and lm.out_features >= 16 * LM_SLICES:
         part = lm.select(torch.arange(lm.out_features // LM_SLICES))
         out["lm_head"] = ([lm], [part] * LM_SLICES)

@@ -410,6 +410,19 @@ class NativeLlama:
         native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                                       "layers": a.num_layers, "hidden": a.hidden_size}, measure)
 
+    def native_matmuls(self) -> dict[str, list]:
+        """The C kernels' weights a forward multiplies with, by matmul, each list in layer order:
+        ``q/k/v``, ``o``, ``gate/up``, ``down`` of every layer that runs as one C layer, and ``lm_head``
+        (empty where it is not on the C kernels)."""
+        names = ("q/k/v", "o", "gate/up", "down")
+        out: dict[str, list] = {name: [] for name in names}
+        for layer in self.layers:
+            if layer.fused is not None:  # its four matmuls' C weights (the struct points into them)
+                for name, w in zip(names, (layer._qkv_native, layer.o.native, layer.gate_up.native, layer.down.native)):
+                    out[name].append(w)
+        out["lm_head"] = [] if self.lm_head_w.native is None else [self.lm_head_w.native]
+        return out
+
     def _tune_wide(self, blocks: dict, head_name: str, prefix: int = 128) -> None:
         """Choose the AVX-512 passes of the kinds this forward multiplies with (the layers' and the
         lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``, among the
@@ -446,11 +459,8 @@ class NativeLlama:
 
         # each kind's matmuls alone (the screening of tune_wide_on_forward): the layers' weights of
         # that kind in a forward's order, then the lm_head's, one C call per input width
-        mats = [w for layer in self.layers
-                for w in (getattr(layer, "_qkv_native", None), layer.o.native, layer.gate_up.native, layer.down.native)
-                if w is not None]
-        if self.lm_head_w.native is not None:
-            mats.append(self.lm_head_w.native)
+        per = self.native_matmuls()
+        mats = [w for ws in zip(per["q/k/v"], per["o"], per["gate/up"], per["down"]) for w in ws] + per["lm_head"]
         by_kind: dict[str, dict[int, list]] = {}  # kind -> input width -> its weights, in a forward's order
         for m in mats:
             by_kind.setdefault(m.kind, {}).setdefault(m.in_features, []).append(m)
