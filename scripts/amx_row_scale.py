@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +32,13 @@ P = ctypes.c_void_p
 
 
 def build(tmp: str) -> ctypes.CDLL:
+    from ddspec import native
+
+    cc = native._compiler()
+    if cc is None:
+        sys.exit("amx_row_scale: no C compiler (cc/gcc) on PATH")
     lib = Path(tmp) / "libamx_row_scale.so"
-    done = subprocess.run(["cc", "-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-int8", "-fopenmp", "-fPIC",
+    done = subprocess.run([cc, "-O3", "-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-int8", "-fopenmp", "-fPIC",
                            "-shared", str(HERE / "amx_row_scale.c"), "-o", str(lib)], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"amx_row_scale: the build failed:\n{done.stderr[-2000:]}")
@@ -82,6 +85,7 @@ def main() -> None:
     from ddspec import native
     from ddspec.bench.phases import sweep_weights
     from ddspec.bench.target import prefixed_forwards
+    from ddspec.machine import interleaved_medians
     from ddspec.models.loading import load_target
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,29 +108,20 @@ def main() -> None:
         xs = {n: {name: torch.randn(n, ws[0].in_features, generator=gen) for name, ws in ours.items()} for n in sizes}
         forward, settle = prefixed_forwards(target, 256, sizes)
 
-        def run(case: str, n: int) -> float:
-            if case == "forward":
-                settle(n)
-            t0 = time.perf_counter()
-            if case == "forward":
+        def run(case: tuple[str, int]) -> None:
+            what, n = case
+            if what == "forward":
                 forward(n)
             else:
                 for name in ours:
-                    if case == "ours":
+                    if what == "ours":
                         native.gemm_sweep(ours[name], xs[n][name])
                     else:
                         sweep(lib, tiles[name], xs[n][name], args.threads)
-            return (time.perf_counter() - t0) * 1e3
 
-        cases = ["forward", "ours", "tiles"]
-        times: dict[tuple[str, int], list[float]] = {(c, n): [] for c in cases for n in sizes}
-        for r in range(args.rounds + 1):  # round 0 warms up
-            for n in sizes:
-                for c in cases[r % 3:] + cases[: r % 3]:
-                    t = run(c, n)
-                    if r:
-                        times[(c, n)].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+        cases = [(what, n) for n in sizes for what in ("forward", "ours", "tiles")]
+        med = {case: s * 1e3 for case, s in interleaved_medians(
+            cases, run, args.rounds, setup=lambda case: settle(case[1]) if case[0] == "forward" else None).items()}
     what_if = {n: med[("forward", n)] - med[("ours", n)] + med[("tiles", n)] for n in sizes}
     rows = [("int8 forward over N tokens after 256", {n: med[("forward", n)] for n in sizes}),
             ("its matmuls alone, ddspec's kernels (GGUF blocks)", {n: med[("ours", n)] for n in sizes}),
