@@ -6,13 +6,13 @@ turns, two prompts each, so CI stays short); `ddspec bench` checks all methods o
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from ddspec.bench.prompts import load_prompt_file
 from ddspec.config import StopConfig, TreeConfig
+from ddspec.datasets import eval_set
 from ddspec.draft.checkpoint import random_head
 from ddspec.draft.eagle import EagleDrafter
 from ddspec.engine import Engine
@@ -20,20 +20,13 @@ from ddspec.methods import tree_config
 from ddspec.prompts import chat_prompt_ids
 
 pytestmark = pytest.mark.slow
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench.jsonl"
-FALLBACK = [f"Tell me about {x}." for x in (
-    "volcanoes", "the moon", "bread", "chess", "rivers", "owls", "trains", "glass", "music", "rain",
-    "maps", "bees", "paper", "salt", "clocks", "ships", "tea", "snow", "bridges", "ink")]
 METHODS = ("chain", "eagle", "eagle2", "ddd")
 SMALL = TreeConfig(top_k=4, depth=4, total_tokens=8, ddd_check_depths=(2, 4), max_depth=5)
 DRAFT_VOCAB = 4096  # the head drafts over the first 4096 ids: cheap lm_head, and it exercises d2t
 
 
 def prompts(n: int = 8) -> list[str]:
-    if MT_BENCH.is_file():
-        rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-        return [r["turns"][0] for r in rows[:n]]
-    return FALLBACK[:n]
+    return [p.turns[0] for p in load_prompt_file(eval_set("mt-bench"), limit=n)]
 
 
 def test_random_head_greedy_equals_plain_on_default_model(default_native):

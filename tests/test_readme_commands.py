@@ -22,7 +22,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 PROMPT = "Explain in three sentences why the sky is blue."
 
 
@@ -72,7 +71,7 @@ def test_demo_command_on_an_empty_cache(demo):
 
 def test_bench_vanilla_and_ddspec_on_an_empty_cost_cache(uncalibrated_cache, tmp_path):
     out = tmp_path / "bench"
-    ok(ddspec(uncalibrated_cache, "bench", "--prompts", str(SHARED / "mt_bench.jsonl"), "--limit", "2",
+    ok(ddspec(uncalibrated_cache, "bench", "--prompts", "mt-bench", "--limit", "2",
               "--max-turns", "1", "--max-new-tokens", "16", "--methods", "vanilla,ddspec", "--out", str(out)))
     summary = (out / "summary.md").read_text()
     assert "ddspec" in summary and "vanilla" in summary
@@ -97,7 +96,7 @@ def test_calibrate_then_show(uncalibrated_cache):
 
 
 def test_tune_short(uncalibrated_cache, tmp_path):
-    result = ok(ddspec(uncalibrated_cache, "tune", "--prompts", str(SHARED / "gsm8k.jsonl"), "--limit", "1",
+    result = ok(ddspec(uncalibrated_cache, "tune", "--prompts", "gsm8k", "--limit", "1",
                        "--max-new-tokens", "8", "--depths", "2", "--top-ks", "2", "--sizes", "3",
                        "--out", str(tmp_path / "tune")))
     assert "eagle2@d2k2n3" in result.stdout + result.stderr

@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("tune", help="grid-search the best static tree (depth, top_k, total_tokens)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", action="append", default=None, help="tuning prompts JSONL (repeatable)")
+    p.add_argument("--prompts", action="append", default=None, help="tuning prompts: a JSONL file or shipped sets (mt-bench, humaneval, gsm8k); repeatable. "
+                        "Tune on prompts other than those you measure on")
     p.add_argument("--limit", type=int, default=10, help="first K prompts of each file (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--depths", type=_ints, default=(2, 3, 4, 6), help="comma-separated (default 2,3,4,6)")

@@ -1,6 +1,6 @@
 """`ddspec bench`: every method side by side on the same prompts, with reports and plots.
 
-    ddspec bench --prompts data/eval/mt_bench.jsonl --prompts data/eval/gsm8k.jsonl \\
+    ddspec bench --prompts mt-bench,gsm8k \\
         --methods vanilla,hf,hf-lookup,chain,eagle,eagle2,ddd --max-new-tokens 128 \\
         --repeats 3 --limit 10 --out runs/bench
 
@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
                     "records.jsonl, summary.md, summary.json and PNG plots to --out. Speedup is measured "
                     "against vanilla (plain decoding) in the same run.")
     g = p.add_argument_group("benchmark")
-    g.add_argument("--prompts", action="append", metavar="FILE.jsonl",
-                   help="a JSONL prompt file (question_id or id, category, turns); repeatable. "
+    g.add_argument("--prompts", action="append", metavar="SETS|FILE.jsonl",
+                   help="shipped prompt sets, comma-separated (mt-bench, humaneval, gsm8k: 80 prompts "
+                        "each), or a JSONL prompt file (question_id or id, category, turns); repeatable. "
                         "Default: a small built-in set (3 prompts per category)")
     g.add_argument("--methods", default=",".join(method_names()),
                    help="comma-separated methods to compare (default: all, %(default)s). A tree method may "

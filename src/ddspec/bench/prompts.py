@@ -143,6 +143,9 @@ def load_prompts(paths: list[str] | None, limit: int | None = None, max_turns: i
 
 
 def _load_prompts(paths: list[str] | None, limit: int | None) -> list[Prompt]:
+    from ddspec.datasets import resolve_prompt_sources
+
+    paths = resolve_prompt_sources(paths)
     if not paths:
         return builtin_prompts()[:limit]
     stems: dict[str, str] = {}

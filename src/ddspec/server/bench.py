@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 FOLLOW_UP = "Summarise everything you said so far in three sentences."
-DEFAULT_PROMPTS = "../shared/data/eval/mt_bench.jsonl"
+DEFAULT_PROMPTS = "mt-bench"  # a shipped prompt set (ddspec.datasets) or a JSONL file
 
 
 @dataclass(slots=True)
@@ -199,7 +199,7 @@ def add_bench_parser(sub) -> None:
                    help="methods to compare, comma-separated (default vanilla,ddspec)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="concurrent clients (default 1,4,16)")
     p.add_argument("--requests", type=int, default=16, help="requests per method and concurrency (default 16)")
-    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"JSONL prompt file (default {DEFAULT_PROMPTS})")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"JSONL prompt file or a shipped set: mt-bench, humaneval, gsm8k (default {DEFAULT_PROMPTS})")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per load request (default 128)")
     p.add_argument("--chat-max-tokens", type=int, default=512,
                    help="tokens per answer of the reuse chat's first two turns (default 512)")
@@ -214,6 +214,7 @@ def add_bench_parser(sub) -> None:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from ddspec.bench.prompts import load_prompt_file
+    from ddspec.datasets import resolve_prompt_sources
     from ddspec.errors import DdspecError
     from ddspec.methods import split_method
 
@@ -222,7 +223,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         split_method(m)
     if args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0:
         raise DdspecError("--requests, --max-tokens and --chat-max-tokens must be >= 1, --reuse-trials >= 0")
-    prompts = load_prompt_file(args.prompts)
+    prompts = load_prompt_file(resolve_prompt_sources([args.prompts])[0])
     firsts = [p.turns[0] for p in prompts]
     two_turns = next((p.turns[:2] for p in prompts if len(p.turns) >= 2), None)
     if two_turns is None and args.reuse_trials:

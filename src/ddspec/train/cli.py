@@ -28,8 +28,9 @@ STAGES = ("data", "layers", "merge", "fit", "calibrate", "eval", "export", "all"
 
 
 def default_prompts() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "..", "..", "shared", "data", "train", "prompts.jsonl"))
+    from ddspec.datasets import TRAIN_PROMPTS
+
+    return str(TRAIN_PROMPTS)
 
 
 def add_parser(sub) -> None:
@@ -42,8 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random model and a few prompts: the whole pipeline in about a minute")
     p.add_argument("--prompts", default=default_prompts(),
-                   help="training prompts JSONL (question_id/id, category, turns); default: "
-                        "../shared/data/train/prompts.jsonl. Never the evaluation files.")
+                   help="training prompts JSONL, plain or .gz (question_id/id, category, turns); default: the "
+                        "15,586 training prompts shipped with ddspec (ddspec/data/README.md). Never the "
+                        "evaluation files.")
     p.add_argument("--arch", default="eagle", choices=("eagle", "eagle3"),
                    help="eagle = an EAGLE-1/2 head (default); eagle3 = an EAGLE-3 head in the published layout: "
                         "one layer reading the target's residual streams at the inputs of layers 2, L/2 and L-3 "

@@ -1,6 +1,6 @@
 """Stage 1 input: the training prompt mix.
 
-``../shared/data/train/prompts.jsonl`` is 48% GSM8K and 29% code; heads trained on such a mix
+The shipped training prompts (``ddspec.datasets.TRAIN_PROMPTS``) are 48% GSM8K and 29% code; heads trained on such a mix
 draft chat and writing poorly. We cap each over-represented source and interleave sources so
 that any prefix of the mix (a run stopped early) is itself balanced. Evaluation files are
 never read here.
@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddspec.datasets import open_text
 from ddspec.errors import DdspecError
 
 # per-source caps: GSM8K (math) and GPTeacher codegen dominate the file
@@ -44,7 +45,7 @@ def read_prompts(path: Path) -> tuple[list[PromptRecord], PromptFileReport]:
         raise DdspecError(f"prompt file not found: {path}")
     report = PromptFileReport(bad_lines=[])
     records: list[PromptRecord] = []
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -71,7 +71,8 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
           if depth > 1 else []),
         "",
         "## Data",
-        f"- prompts: `../shared/data/train/prompts.jsonl`, GSM8K and code capped at 1500 each, sources interleaved",
+        f"- prompts: {manifest.get('prompts', 'the training prompts shipped with ddspec')}, GSM8K and code capped "
+        "at 1500 each, sources interleaved",
         f"- sequences: {manifest.get('sequences', '?')}, response tokens: {manifest.get('response_tokens', '?')}",
         f"- generation settings: {json.dumps(manifest.get('settings', {}))}",
         "",

@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from ddspec.datasets import open_text
 from ddspec.errors import DdspecError
 from ddspec.train.cli import default_prompts
 
@@ -45,7 +46,8 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for answers.jsonl and ngrams.safetensors")
     p.add_argument("--prompts", default=default_prompts(),
-                   help="training prompts JSONL (id, source, turns); default ../shared/data/train/prompts.jsonl")
+                   help="training prompts JSONL, plain or .gz (id, source, turns); default: the training prompts "
+                        "shipped with ddspec (ddspec/data/README.md)")
     p.add_argument("--exclude", action="append", default=[], metavar="FILE.jsonl",
                    help="leave out the prompts whose id is in this JSONL file (repeatable)")
     p.add_argument("--per-source", type=int, default=600, help="prompts answered per source (default 600)")
@@ -83,7 +85,7 @@ def _caps(spec: str) -> dict[str, int]:
 
 def _read_jsonl(path: str, what: str) -> list[dict]:
     try:
-        with open(path) as f:
+        with open_text(Path(path)) as f:
             return [json.loads(line) for line in f if line.strip()]
     except OSError as e:
         raise DdspecError(f"cannot read {what} {path}: {e.strerror}") from e

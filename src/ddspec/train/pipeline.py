@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ddspec.config import TreeConfig
+from ddspec.datasets import eval_set
 from ddspec.errors import DdspecError
 from ddspec.fileio import write_json_atomic
 
@@ -456,9 +457,8 @@ def stage_eval(args, out: Path, target) -> None:
         categories = {"tiny": ["tiny"] * 4}
         new_tokens = 24
     else:
-        root = Path(args.prompts).resolve().parents[1] / "eval"
         limits = parse_eval_sets(args.eval_sets, args.eval_limit, EVAL_FILES)
-        records = {name: turn_records(root / f"{name}.jsonl", n, turns) for name, n in limits.items()}
+        records = {name: turn_records(eval_set(name), n, turns) for name, n in limits.items()}
         sets = {name: [turns for _, turns in rows] for name, rows in records.items()}
         categories = {name: [cat for cat, _ in rows] for name, rows in records.items()}
         new_tokens = args.eval_new_tokens
