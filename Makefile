@@ -1,6 +1,9 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - create .venv, install everything, run `ddspec generate` on the default model
-#   make test   - create .venv, install everything, run the test suite
+#   make demo     - create .venv, install everything, run `ddspec generate` on the default model
+#   make test     - create .venv, install everything, run the test suite (under 10 minutes on 2 cores)
+# and, beside them:
+#   make test-all - the test suite, then the slower end-to-end checks (marked `heavy`; CI runs both)
+#   make bench    - the target layer's benchmark (plain decoding against HF, T(N), draft level costs)
 # A second run reuses .venv (with ddspec's compiled CPU kernels) and the converted default model.
 
 PYTHON ?= python3
@@ -9,7 +12,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-heavy test-all bench clean
 
 # torch (and numpy, which torch's import looks for) first: the C kernels' build (python -m ddspec.native,
 # from the source tree) needs only those, and runs beside the other installs (none of which it
@@ -33,10 +36,15 @@ demo: $(STAMP)
 	$(VENV)/bin/ddspec generate "$(PROMPT)" --max-new-tokens 128
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not heavy"
+
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m heavy
+
+test-all: test test-heavy
 
 bench: $(STAMP)
-	$(PY) -m ddspec.bench.target --repeats 3 --out docs/bench_target.md
+	$(PY) -m ddspec.bench.target --repeats 3 --out runs/bench_target.md
 
 clean:
 	rm -rf $(VENV)

@@ -20,7 +20,7 @@ Prints, in one run, on this machine:
 6. the time of one draft level of the shipped head (head over top_k frontier rows, log-softmax
    over the draft vocabulary, top-k) for top_k = 1..16.
 
-Run: ``python -m ddspec.bench.target [--repeats 3] [--out docs/bench_target.md]``.
+Run: ``python -m ddspec.bench.target [--repeats 3] [--out runs/bench_target.md]``.
 """
 
 from __future__ import annotations
