@@ -34,7 +34,7 @@ P = ctypes.c_void_p
 def build(tmp: str) -> ctypes.CDLL:
     from ddspec import native
 
-    cc = native._compiler()
+    cc = native.c_compiler()
     if cc is None:
         sys.exit("amx_row_scale: no C compiler (cc/gcc) on PATH")
     lib = Path(tmp) / "libamx_row_scale.so"

@@ -11,7 +11,7 @@ and uses ``torch.matmul`` because that column won or tied on our CPU (2026-11-30
     mkldnn     28.6   39.4   36.2   41.2   51.6   59.7   89.4
     mm(W^T)    19.4   25.4   28.6   59.9*  44.8   50.3   85.9     (* a noisy sample)
 
-A later, more careful measurement (15 interleaved runs, medians, 2026-11-30 session 2) found
+A later, more careful measurement (15 interleaved runs, medians, 2026-11-30) found
 F.linear on [out, in] weights 15-20% faster than mm at 2-3 rows (18.3 vs 21.7 ms, 19.0 vs
 23.7 ms) and slower at 1 row (17.7 vs 14.9 ms): the native target now keeps both layouts for
 small models on a CPU and picks by row count (models/llama.py, ``project``).

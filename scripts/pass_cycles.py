@@ -34,7 +34,7 @@ def build(tmp: str) -> Path:
     """scripts/pass_cycles.c compiled with ddspec's build flags, in ``tmp``."""
     from ddspec import native
 
-    cc = native._compiler()
+    cc = native.c_compiler()
     if cc is None:
         sys.exit("pass_cycles: no C compiler (cc/gcc) on PATH")
     exe = Path(tmp) / "pass_cycles"
@@ -102,7 +102,7 @@ def forward_bound(exe: Path, args, cpus: list[int], hz: float) -> None:
     run, settle = prefixed_forwards(target, 256, sizes)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     passes: list[tuple[float, float]] = []
-    for r in range(args.rounds + 1):  # round 0 warms up
+    for r in range(args.rounds + 1):  # pass 0 warms up
         _, _, full, sums = pass_cycles(exe, args.iters, 1, cpus)
         row = {}
         for n in sizes[r % 3:] + sizes[: r % 3]:

@@ -61,20 +61,30 @@ def test_costly_draft_level_stops_earlier():
 def test_size_is_the_argmax_of_the_rate():
     p = policy(linear_cost(20.0, 1.0))
     scores = torch.log(torch.tensor([0.9, 0.8, 0.7, 0.3, 0.1, 0.05, 0.01]))
-    rates = p.rates(scores, levels=3)
+    rates = p.rates(scores.tolist(), levels=3)
     n, best = p.best(scores, levels=3)
-    assert n == int(torch.argmax(rates)) + 1 and math.isclose(best, float(rates.max()))
+    assert n == rates.index(max(rates)) + 1 and math.isclose(best, max(rates))
     assert 1 < n <= 8
 
 
 def test_acceptance_model_learns_from_verdicts():
     model = AcceptanceModel(prior_weight=5.0)
     scores = torch.full((200,), -0.1)  # the draft believes 90%
-    assert abs(float(model.prob(scores[:1])) - math.exp(-0.1)) < 1e-6
+    assert abs(model.prob([-0.1])[0] - math.exp(-0.1)) < 1e-6
     model.update(scores, torch.zeros(200, dtype=torch.bool))  # ... but nothing is ever accepted
-    assert float(model.prob(scores[:1])) < 0.05
-    other_bin = torch.tensor([-3.0])
-    assert abs(float(model.prob(other_bin)) - math.exp(-3.0)) < 1e-6  # other bins keep their prior
+    assert model.prob([-0.1])[0] < 0.05
+    assert abs(model.prob([-3.0])[0] - math.exp(-3.0)) < 1e-6  # other bins keep their prior
+
+
+def test_acceptance_bins_are_torch_bucketize_bins():
+    """A score falls in bin bisect_left(edges, score): torch.bucketize's bins (right=False), edges included."""
+    model = AcceptanceModel()
+    scores = [-20.0, -12.0, -11.9, -3.0, -2.75, -0.05, -0.01, 0.0, 0.5] + [-5.0 + 0.37 * i for i in range(14)]
+    bins = torch.bucketize(torch.tensor(scores, dtype=torch.float64), torch.tensor(model.edges, dtype=torch.float64))
+    for score, b in zip(scores, bins.tolist()):
+        model.update([score], [True])
+        assert model.seen[b] == model.accepted[b] and model.seen[b] >= 1.0, score
+    assert sum(model.seen) == len(scores)
 
 
 def test_verify_interpolation():
@@ -91,7 +101,7 @@ def test_frontier_keeps_only_nodes_whose_children_could_be_verified():
         p = policy(verify)
         candidates, frontier = expand_root(synthetic_logprobs(1)[0], K)
         assert p.continue_after(1, candidates.scores[frontier], candidates.scores, candidates.scores[:1])
-        kept = frontier[p.frontier_keep(candidates.scores, frontier)]
+        kept = frontier[p.frontier_rows(candidates.scores.tolist(), frontier.tolist())]
         assert kept.numel() == min(p.next_size, K) and 0 in kept.tolist()  # the best root child stays
         if verify != flat_cost():
             assert kept.numel() < K
@@ -100,9 +110,9 @@ def test_frontier_keeps_only_nodes_whose_children_could_be_verified():
             assert candidates.scores[dropped].max() <= candidates.scores[kept].min()
     p = policy(linear_cost(10.0, 1.0))
     p.next_size = 1  # even when nothing more is expected to fit, the best node stays
-    scores = torch.tensor([-2.0, -0.1, -3.0])
-    assert p.frontier_keep(scores, torch.tensor([0, 1, 2])).tolist() == [False, True, False]
-    assert p.frontier_keep(scores, torch.tensor([2, 0])).tolist() == [False, True]
+    scores = [-2.0, -0.1, -3.0]
+    assert p.frontier_rows(scores, [0, 1, 2]) == [1]
+    assert p.frontier_rows(scores, [2, 0]) == [1]
 
 
 def test_a_size_probe_does_not_lower_the_forecast_rate_of_drafting():
@@ -124,7 +134,7 @@ def test_a_size_probe_does_not_lower_the_forecast_rate_of_drafting():
         gains = p._gains(scores.tolist())
         assert math.isclose(p.prediction[0], gains[n - 1])  # the probed tree's own forecast
         d = p.forecast_decay
-        tokens, ms = tokens * d + gains[best - 1], ms * d + p._step_ms(best, 2)  # the best tree's
+        tokens, ms = tokens * d + gains[best - 1], ms * d + p._step_ms(2, best)[best - 1]  # the best tree's
         p.observe_step(tokens=2, tree_size=n, draft_ms=2.0, verify_ms=20.0, gap_ms=0.0)
     assert math.isclose(p.draft_rate() / p.bias(), tokens / ms, rel_tol=1e-9)  # the forecasts' part of the rate
 

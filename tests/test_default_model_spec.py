@@ -29,6 +29,7 @@ def prompts(n: int = 8) -> list[str]:
     return [p.turns[0] for p in load_prompt_file(eval_set("mt-bench"), limit=n)]
 
 
+@pytest.mark.heavy
 def test_random_head_greedy_equals_plain_on_default_model(default_native):
     target = default_native
     head = random_head(target.hf_config, seed=0)

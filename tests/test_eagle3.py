@@ -199,9 +199,7 @@ def test_published_head_loads_and_every_method_equals_plain(deep, tmp_path, arch
 
 
 def test_make_drafter_and_the_cost_aware_method_calibrate_for_it(deep, tmp_path, monkeypatch):
-    from ddspec import calibrate
-
-    monkeypatch.setattr(calibrate, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path / "cache"))
     _, target = deep
     published_head(tmp_path / "head", target, seed=2)
     drafter = make_drafter("ddspec", target, str(tmp_path / "head"), SMALL)  # --head FOLDER

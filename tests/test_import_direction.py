@@ -1,4 +1,4 @@
-"""Dependencies point one way: ``tree`` and ``verify`` import no model code (DESIGN.md §4)."""
+"""Dependencies point one way: ``tree`` and ``verify`` import no model code (docs/design.md §4)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,13 @@ def test_argument_definitions_reach_no_command():
     graph = _module_graph()
     for low in ("ddspec.args", "ddspec.methods", "ddspec.calibrate"):
         assert not graph[low] & {"ddspec.cli", "ddspec.commands"}, f"{low} imports a command module"
+
+
+def test_the_kernels_and_their_measurements_import_no_model_code():
+    """The C kernels (ddspec.native and its parts) and the measure-once cache (ddspec.measured) sit
+    below the models: models tune the kernels (models/tuning.py), never the reverse."""
+    graph = _module_graph()
+    low = [m for m in graph if _is_under(m, ("ddspec.native", "ddspec.measured", "ddspec.machine"))]
+    assert {"ddspec.native.build", "ddspec.native.lib", "ddspec.native.tuning", "ddspec.measured"} <= set(low)
+    for module in low:
+        assert not [d for d in graph[module] if _is_under(d, FORBIDDEN)], f"{module} imports model code"

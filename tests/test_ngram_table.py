@@ -125,9 +125,7 @@ def test_lookup_with_a_table_is_greedy_identical_to_plain(tiny_targets, family, 
     path = tmp_path / "table.safetensors"
     NgramTable.build(answers, {"vocab_size": target.info.vocab_size}, min_count=2).save(path)
     base = TreeConfig(top_k=3, depth=3, total_tokens=8, ngram_table=str(path))
-    from ddspec import calibrate
-
-    monkeypatch.setattr(calibrate, "cache_root", lambda: tmp_path)
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
     drafted = 0
     for prompt in ([4, 22, 9], [100, 3, 64, 12, 99], [50, 51]):
         ref = Engine(target).generate(prompt, stop).token_ids

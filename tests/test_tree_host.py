@@ -12,7 +12,7 @@ from ddspec.draft.checkpoint import random_head
 from ddspec.draft.eagle import EagleDrafter
 from ddspec.tree import expand_level, expand_root, rerank
 from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, flat_cost, linear_cost
-from ddspec.tree.host import HostCandidates, frontier_rows
+from ddspec.tree.host import HostCandidates
 
 V = 50
 
@@ -66,7 +66,21 @@ def test_host_tree_maps_draft_ids_then_merges_the_chain_like_with_chain():
         _same_tree(tree, want)
 
 
-def test_frontier_rows_equal_the_policys_frontier_keep():
+def _frontier_keep_reference(candidate_scores: torch.Tensor, frontier: torch.Tensor, size: int) -> torch.Tensor:
+    """[k] bool, the obvious tensor reading of CostAwarePolicy.frontier_rows: rank every candidate
+    (score descending, ties by index), keep the frontier nodes ranked below ``size`` and the best one."""
+    m = candidate_scores.numel()
+    if size >= m:
+        return torch.ones(frontier.shape, dtype=torch.bool)
+    order = torch.argsort(candidate_scores, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(m)
+    keep = rank[frontier] < size
+    keep[rank[frontier].argmin()] = True
+    return keep
+
+
+def test_policys_frontier_rows_equal_a_tensor_reference():
     gen = torch.Generator().manual_seed(5)
     cost = CostModel(linear_cost(2.0, 0.05), draft_root_ms=0.1, draft_level_ms=0.2, other_ms=0.1)
     policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=6, max_tokens=20)
@@ -76,8 +90,8 @@ def test_frontier_rows_equal_the_policys_frontier_keep():
         scores[int(torch.randint(0, m, (1,), generator=gen))] = scores[0]  # a tie now and then
         frontier = torch.randperm(m, generator=gen)[: int(torch.randint(1, m + 1, (1,), generator=gen))]
         policy.next_size = int(torch.randint(1, m + 3, (1,), generator=gen))
-        keep = policy.frontier_keep(scores, frontier)
-        rows = frontier_rows(scores.tolist(), frontier.tolist(), policy.next_size)
+        keep = _frontier_keep_reference(scores, frontier, policy.next_size)
+        rows = policy.frontier_rows(scores.tolist(), frontier.tolist())
         assert rows == torch.nonzero(keep).flatten().tolist()
 
 

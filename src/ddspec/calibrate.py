@@ -18,7 +18,6 @@ persistently, so a bad entry does not last.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import sys
@@ -30,7 +29,8 @@ import torch
 from tqdm import tqdm
 
 from ddspec.fileio import write_json_atomic
-from ddspec.machine import cache_root, cpu_name, device_sync, load_average
+from ddspec.machine import cpu_name, device_sync, load_average
+from ddspec.measured import Entry
 from ddspec.tree.cost import CostModel
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # beyond 64: extrapolated (EAGLE-2 verifies <= 60)
@@ -73,11 +73,6 @@ def cost_key(target, head, top_k: int, draft_weights: str) -> dict:
 def drafter_cost_key(target, drafter) -> dict:
     """:func:`cost_key` of the set-up ``drafter`` (an EagleDrafter) drafts in."""
     return cost_key(target, drafter.head, drafter.cfg.top_k, drafter.draft_weights)
-
-
-def cache_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "costs" / f"{digest}.json"
 
 
 def relative_spread(samples: dict[int, list[float]]) -> float:
@@ -145,7 +140,7 @@ def measure_once(target, drafter, sizes=SIZES, reps: int = 5, bar=None) -> Measu
         return elapsed * 1e3
 
     for group in size_groups(sizes):
-        for r in range(reps + 1):  # round 0 is a warm-up
+        for r in range(reps + 1):  # pass 0 is a warm-up
             for n in group:
                 for _ in range(SETTLE):
                     run(1)
@@ -281,38 +276,20 @@ def from_json(data: dict) -> Measurement:
 
 
 class CostStore:
-    """One cache entry: read it, write it (atomically), and say once if the cache is unwritable."""
+    """One set-up's cache entry (``<cache root>/costs/<hash of key>.json``, ddspec/measured.py): read
+    it, write it atomically, and say once if the cache cannot be written."""
 
-    def __init__(self, key: dict, path: Path | None = None) -> None:
-        self.key, self.path = key, path or cache_path(key)
-        self.writable = True
+    def __init__(self, key: dict) -> None:
+        self.entry = Entry("costs", key, "the step costs")
+        self.key, self.path = key, self.entry.path
 
     def read(self) -> Measurement | None:
         """The cached measurement, or None when missing or stale; a corrupt file gets a notice."""
-        if not self.path.is_file():
-            return None
-        try:
-            data = json.loads(self.path.read_text())
-            if data.get("key") != self.key:
-                return None  # another set-up hashed here, or an older format: measure again
-            return from_json(data)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            print(f"ddspec: the cost cache entry {self.path} is unreadable ({type(e).__name__}); measuring again",
-                  file=sys.stderr)
-            return None
+        return self.entry.read(from_json)
 
     def write(self, m: Measurement) -> bool:
-        if not self.writable:
-            return False
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.path, to_json(m, self.key))
-            return True
-        except OSError as e:
-            self.writable = False
-            print(f"ddspec: cannot write the cost cache ({self.path.parent}: {e.strerror or e}); "
-                  "generating without caching (set DDSPEC_CACHE to a writable folder to keep it)", file=sys.stderr)
-            return False
+        """Whether ``m`` is cached now (False when the cache cannot be written)."""
+        return self.entry.write(to_json(m, self.key))
 
 
 class PolicyMemory:

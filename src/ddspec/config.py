@@ -15,7 +15,7 @@ from ddspec.errors import ConfigError
 # level at top_k 1 / 4 / 10 / 16 costs 0.52 / 1.10 / 2.29 / 3.44 ms with q4_1a8 against 0.90 / 1.59 / 2.98 /
 # 4.53 with q8_0 (0.65 / 1.23 / 2.68 / 4.25 with q8_0a8), for an EAGLE-2 tau of 4.081 against 4.100
 # (exact weights: 4.094); chain@d2 ran 6-7% faster with the int8 target, 2% with fp32, at the same tau.
-# The draft heads' default weights (draft/packed.py; the target times their kernels too, NativeLlama._choose_wide).
+# The draft heads' default weights (draft/packed.py; the target times their kernels too, models/tuning.choose_passes).
 DEFAULT_DRAFT_WEIGHTS = "q4_1a8"
 
 

@@ -4,7 +4,7 @@ Streaming is the primitive (:meth:`Engine.stream` yields :class:`Chunk`s as toke
 decided); :meth:`Engine.generate` collects a stream. Plain decoding is this same loop with no
 drafter: every step verifies a tree of one node (the root) and emits its bonus token.
 
-Token bookkeeping (DESIGN.md §1): the *root* is the newest chosen token whose own target
+Token bookkeeping (docs/design.md §1): the *root* is the newest chosen token whose own target
 forward has not run yet. It is emitted as soon as it is chosen; a step then runs the root and
 its drafted descendants through the target, emits the accepted ones and the bonus token, and
 the bonus token becomes the next root. A step therefore emits ``accepted + 1`` tokens.
@@ -80,7 +80,7 @@ class RunStats:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length: new tokens per target forward (DESIGN.md §1)."""
+        """Mean accepted length: new tokens per target forward (docs/design.md §1)."""
         return sum(s.accepted + 1 for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
@@ -255,9 +255,8 @@ class Engine:
         eos = set(self.target.info.eos_token_ids) if stop.stop_on_eos else set()
         text = TextAssembler(self.target.tokenizer, stop.stop_strings)
         tree_room = self.drafter.max_tree_size if self.drafter else 1
-        score_for = getattr(self.drafter, "score_for", None)  # drafters whose tree scores depend on the decoding
-        if score_for is not None:
-            score_for(self.sampling)
+        if self.drafter:
+            self.drafter.score_for(self.sampling)
         hidden_layers = self.drafter.hidden_layers if self.drafter else ()
 
         # 1. Prefill: run the prompt (past what the caches keep, with reuse_prefix), choose the
@@ -319,16 +318,15 @@ class Engine:
         return stats
 
     def _learn_costs(self, step: StepStats) -> None:
-        """Hand the step's timing to a drafter that learns from it, and record its prediction."""
-        observe = getattr(self.drafter, "observe_step", None)
-        if observe is None:
+        """Record the drafter's prediction of the step and hand it the step's timing (Drafter's hooks)."""
+        if not self.drafter:
             return
         predicted = self.drafter.prediction
         if predicted is not None:
             step.predicted_tokens, step.predicted_ms = predicted
         if not self.sampling.greedy and self.sampling.seed is not None:
             return  # seeded sampling stays reproducible: choices must not depend on the wall clock
-        observe(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
+        self.drafter.observe_step(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
 
     @staticmethod
     def _trace(tree: DraftTree, verdict: Verdict) -> StepTrace:

@@ -1,4 +1,4 @@
-"""A preallocated KV cache written at slots, with keep-path and truncate (DESIGN.md §2.6).
+"""A preallocated KV cache written at slots, with keep-path and truncate (docs/design.md §2.6).
 
 Layout per layer: keys and values ``[B, H_kv, T_max, D]``, fp32, or fp16 (the 8-bit-activation
 model's: see ``models.llama.kv_cache_dtype``). A forward over N new tokens writes

@@ -1,6 +1,6 @@
 """`ddspec tune`: grid-search the best static tree setting on a tuning prompt set.
 
-The strongest rival of any depth heuristic is a grid search (DESIGN.md §2.3: an independent
+The strongest rival of any depth heuristic is a grid search (docs/design.md §2.3: an independent
 reproduction found a tuned static depth and size as fast as DDD). For every (depth, top_k,
 total_tokens) in the grid it decodes the tuning prompts greedily with a fixed-depth EAGLE-2
 tree, and reports tokens/s (total tokens / total time), τ and the speedup over plain decoding

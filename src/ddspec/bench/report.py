@@ -1,4 +1,4 @@
-"""Turning benchmark records into numbers and tables (DESIGN.md §3), as pure functions.
+"""Turning benchmark records into numbers and tables (docs/design.md §3), as pure functions.
 
 A *record* is one dict per (prompt, turn, method), as written to ``records.jsonl`` by the
 runner (see :mod:`ddspec.bench.runner` for the fields). Everything here works on lists of

@@ -10,7 +10,7 @@ Arms (one per method name):
   so its outputs are not expected to equal ours) with the same prompt ids, greedy. Optional: the
   arm is skipped with a message when llama-cpp-python is missing or the model is not a GGUF.
 
-Fairness rules (DESIGN.md §3): one warm-up generation per arm before timing; for each
+Fairness rules (docs/design.md §3): one warm-up generation per arm before timing; for each
 (prompt, turn) every repeat runs every arm, in an order shuffled from one round to the next
 (seeded by the round: the same in every run), so that no arm always follows the same one (a
 CPU's caches hold part of the weights between generations, and the first steps of an arm pay

@@ -1,4 +1,4 @@
-"""Reading and writing draft heads in the public EAGLE-1/2 layout (DESIGN.md §5); EAGLE-3 heads
+"""Reading and writing draft heads in the public EAGLE-1/2 layout (docs/design.md §5); EAGLE-3 heads
 are told apart by their config and read by ddspec.draft.eagle3_checkpoint.
 
 A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers`` (1 in the public heads), optional ``bias``)

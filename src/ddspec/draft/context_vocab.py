@@ -4,7 +4,7 @@ A head with a reduced draft vocabulary (``d2t``: the most frequent tokens of its
 answers) can never draft a token outside it, and answers keep repeating rare tokens of their own
 context: a name, a term, a word of the question. On MT-bench's 160 plain-decoded turns 6.5% of
 the tokens lie outside the shipped head's 8,192, and 72% of those had already appeared in the
-prompt or earlier in the answer (measured 2026-12-03 on the session-20 bench records).
+prompt or earlier in the answer (measured 2026-12-03 on the records of a `ddspec bench` run on AMD EPYC family 23).
 
 When the head's logits come from the target's own lm_head (an EAGLE-1/2 head: its hidden state
 is a predicted target feature), the rows for those tokens exist. :class:`ContextVocab` keeps the

@@ -1,7 +1,7 @@
 """The EAGLE drafter: grows chain, static (EAGLE-1) or dynamic (EAGLE-2 / DDD) trees with a head.
 
 State between steps: the head's KV cache holds one entry per committed position, computed from
-the target's *true* features (DESIGN.md §2.6), and ``root_hidden`` is the head's prediction
+the target's *true* features (docs/design.md §2.6), and ``root_hidden`` is the head's prediction
 f̂ at the current root, whose lm_head gives the root's children. During drafting, entries for
 tree nodes are appended after the committed ones; ``observe`` drops them and recomputes the
 newly committed positions from the verification forward's features. With prefix reuse
@@ -18,13 +18,14 @@ import torch
 
 from ddspec import native as native_lib
 from ddspec.config import SamplingConfig, TreeConfig
+from ddspec.draft.base import Drafter
 from ddspec.draft.context_vocab import ContextVocab
 from ddspec.draft.head import EagleHead
-from ddspec.draft.packed import DraftLMHead
+from ddspec.draft.packed import DraftingForward, DraftLMHead
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
-from ddspec.tree.host import HostCandidates, frontier_rows
+from ddspec.tree.host import HostCandidates
 from ddspec.tree import (
     DEFAULT_STATIC_PATHS,
     DraftTree,
@@ -41,7 +42,7 @@ from ddspec.verify import Verdict
 def head_draft_temperature(head) -> float:
     """The temperature fitted for a head's greedy tree scores (``ddspec train calibrate``), from its
     config's ``ddspec.draft_temperature.greedy``; 1 for heads without one (e.g. published heads)."""
-    entry = (getattr(head, "config", None) or {}).get("ddspec", {}).get("draft_temperature") or {}
+    entry = head.config.get("ddspec", {}).get("draft_temperature") or {}
     t = entry.get("greedy", 1.0) if isinstance(entry, dict) else 1.0
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 10:
         raise ConfigError(f"the head's config has ddspec.draft_temperature.greedy = {t!r}: it must be a number in "
@@ -72,12 +73,11 @@ class DraftSlots:
         return torch.cat([prefix, rows], dim=1).view(1, 1, n, -1)
 
 
-class EagleDrafter:
-    hidden_layers: tuple[int, ...] = ()
-
+class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None, lookup=None) -> None:
-        """head: an EagleHead (EAGLE-1/2, fused) or an Eagle3Head; both offer hidden_layers,
-        committed_features, drafting_forward, draft_lm_head_weight and logits_input.
+        """head: an EagleHead (EAGLE-1/2, fused) or an Eagle3Head; both offer config, hidden_layers,
+        committed_features, drafting_forward, draft_lm_head_weight, logits_input and
+        shares_target_lm_head.
         lookup: a LookupDrafter whose chain (if any) a plain step of the cost policy verifies
         instead of the root alone: drafts that cost nothing to make."""
         if head.hidden_size != target.info.hidden_size:
@@ -101,16 +101,16 @@ class EagleDrafter:
         if tree.shape == "dynamic" and tree.top_k > draft_vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
         # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
-        self.packed = head.drafting_forward()
-        self._features = getattr(self.packed, "committed_features", None) or head.committed_features
+        self.packed: DraftingForward = head.drafting_forward()
+        self._features = self.packed.committed_features
         blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
         # how the head's matmul weights are held (packed.DRAFT_WEIGHTS): part of what a draft level costs
-        self.draft_weights: str = getattr(self.packed, "weights", "exact")
+        self.draft_weights: str = self.packed.weights
         self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
                                    self.draft_weights)  # [Vd, H]
         # the context's tokens beside a reduced draft vocabulary, where the head's logits are the target's lm_head
         self.context = None
-        if self.draft_ids is not None and tree.context_vocab and getattr(head, "shares_target_lm_head", False):
+        if self.draft_ids is not None and tree.context_vocab and head.shares_target_lm_head:
             self.context = ContextVocab(self.draft_ids, target.lm_head_weight_t().t(), tree.context_vocab)
         self.head_temperature = head_draft_temperature(head)  # fitted for greedy decoding; 1 when absent
         self.temperature = self.greedy_temperature  # until score_for() says otherwise
@@ -368,8 +368,9 @@ class EagleDrafter:
         while level < self._room and self._continue(policy, level, candidates.scores[frontier], candidates.scores,
                                                     best_child):
             if cost is not None:  # the head runs only on the frontier nodes whose children could be verified
-                keep = cost.frontier_keep(candidates.scores, frontier)
-                if not bool(keep.all()):
+                rows = cost.frontier_rows(candidates.scores.tolist(), frontier.tolist())
+                if len(rows) < frontier.numel():
+                    keep = torch.tensor(rows, device=self.device)
                     frontier, parent_hidden, parent_slot = frontier[keep], parent_hidden[keep], parent_slot[keep]
             mask = slots.add(parent_slot)
             first_slot = slots.rows.shape[0] - frontier.numel()
@@ -411,7 +412,7 @@ class EagleDrafter:
             if not self._continue(policy, level, [scores[f] for f in frontier], scores, best_child):
                 break
             if cost is not None:  # the head runs only on the frontier nodes whose children could be verified
-                rows = frontier_rows(scores, frontier, cost.next_size)
+                rows = cost.frontier_rows(scores, frontier)
                 if len(rows) < len(frontier):
                     frontier, parent_slot = [frontier[j] for j in rows], [parent_slot[j] for j in rows]
                     parent_hidden = parent_hidden[rows]

@@ -68,6 +68,13 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    # its lm_head has rows for its own draft vocabulary only: other target tokens cannot be scored
+    # (context_vocab.py needs the target's lm_head)
+    shares_target_lm_head = False
+    # how its matmul weights are held when drafting_forward() returns this module itself (off a CPU,
+    # or outside fp32): as they are (packed.DRAFT_WEIGHTS' "exact"); see packed.DraftingForward
+    weights = "exact"
+
     def __init__(self, config: dict, capture_layers: tuple[int, ...], *, own_embedding: bool = False,
                  max_position: int | None = None) -> None:
         """config: the head's config.json; capture_layers: HF hidden_states indices of the target
@@ -122,8 +129,8 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat(states, dim=-1).to(self.fc.weight.dtype))
 
     def drafting_forward(self):
-        """The callable the drafter runs for head entries (embeds, features, positions, mask, cache): the
-        kernel-planned copy of this head on a CPU in fp32, else this module."""
+        """The drafter's :class:`~ddspec.draft.packed.DraftingForward`: the kernel-planned copy of this
+        head on a CPU in fp32, else this module (its ``forward``, ``committed_features`` and ``weights``)."""
         p = self.fc.weight
         if p.device.type != "cpu" or p.dtype != torch.float32:
             return self

@@ -1,4 +1,4 @@
-"""Reading and writing EAGLE-3 heads in the published layout (DESIGN.md §5).
+"""Reading and writing EAGLE-3 heads in the published layout (docs/design.md §5).
 
 A head folder holds ``config.json`` (Llama-style, ``num_hidden_layers`` 1, ``draft_vocab_size``,
 ``architectures`` ``LlamaForCausalLM`` (the EAGLE authors') or ``LlamaForCausalLMEagle3``

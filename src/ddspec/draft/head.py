@@ -1,4 +1,4 @@
-"""The EAGLE-1/2 draft head (DESIGN.md §2.1).
+"""The EAGLE-1/2 draft head (docs/design.md §2.1).
 
 At position t the head reads ``x = fc(cat(embed(token_{t+1}), f_t))`` and runs one decoder
 layer of the target's family (without its first RMSNorm, as in the public checkpoints), giving

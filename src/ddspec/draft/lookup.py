@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ddspec.draft.base import Drafter
 from ddspec.models.base import TargetOutput
 from ddspec.tree import DraftTree
 from ddspec.verify import Verdict
@@ -27,9 +28,7 @@ COPY_DEPTH = 6  # ... after a match of the context's last max_ngram (3) tokens: 
 TABLE_ORDER = 100  # ``order`` of a table match: TABLE_ORDER + n for an n-token ending (kept apart from context matches)
 
 
-class LookupDrafter:
-    hidden_layers: tuple[int, ...] = ()
-
+class LookupDrafter(Drafter):
     def __init__(self, depth: int = DEPTH, max_ngram: int = 3, min_ngram: int = 2,
                  max_position: int | None = None, table=None, copy_depth: int | None = None) -> None:
         """max_position: the target's context window (drafts never go past it). table: an

@@ -14,6 +14,7 @@ The weights are copied when the drafter is built: rebuild the drafter after chan
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 
@@ -48,6 +49,21 @@ def _blocks(mats: dict, weights: str) -> dict:
     return {k: b.with_int8_activations() for k, b in blocks.items()} if weights.endswith("a8") else blocks
 
 
+
+
+class DraftingForward(Protocol):
+    """What a head's ``drafting_forward()`` returns and the EAGLE drafter runs: a :class:`PackedHead`,
+    a :class:`PackedEagle3Head`, or an Eagle3Head itself (off a CPU, or outside fp32)."""
+
+    weights: str  # how its matmul weights are held, one of DRAFT_WEIGHTS (part of what a draft level costs)
+
+    def __call__(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor | None, cache: StaticKVCache) -> torch.Tensor:
+        """Append head entries for embeds, features [1, N, H] at ``positions`` [N] (``mask`` [1, 1, N, T]
+        over the cache, None = all of it) to ``cache``; returns the head's outputs [1, N, H]."""
+
+    def committed_features(self, target_out, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's input features at committed positions (``rows`` of the forward; None = all)."""
 
 
 class PackedHead:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from ddspec.draft.base import Drafter
 from ddspec.models.base import TargetOutput
 from ddspec.tree import DraftTree
 from ddspec.verify import Verdict
 
 
-class OracleDrafter:
-    hidden_layers: tuple[int, ...] = ()
-
+class OracleDrafter(Drafter):
     def __init__(self, sequence: list[int], depth: int) -> None:
         self.sequence, self.depth = list(sequence), depth  # prompt + the target's continuation
 
@@ -44,9 +43,7 @@ class OracleDrafter:
         pass
 
 
-class RandomDrafter:
-    hidden_layers: tuple[int, ...] = ()
-
+class RandomDrafter(Drafter):
     def __init__(self, vocab_size: int, size: int, seed: int = 0) -> None:
         self.vocab_size, self.size = vocab_size, size
         self.generator = torch.Generator().manual_seed(seed)

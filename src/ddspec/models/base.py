@@ -1,7 +1,7 @@
 """The target-model interface every implementation provides.
 
 A target runs N new tokens at given absolute positions on top of its KV cache, with an
-arbitrary boolean attention mask, and returns logits and features (DESIGN.md §1: the
+arbitrary boolean attention mask, and returns logits and features (docs/design.md §1: the
 post-final-norm hidden state, the input of the lm_head). The new tokens occupy cache slots
 ``[length, length + N)``; :meth:`TargetModel.commit` then keeps only the entries of an
 accepted path, which is how a draft tree is rolled back to its accepted branch.

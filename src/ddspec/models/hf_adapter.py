@@ -3,7 +3,7 @@
 Used for every family the native implementation does not cover, and as the reference the
 native implementation is tested against. Tree attention goes in as a boolean
 ``(1, 1, N, prefix + N)`` mask with explicit ``position_ids``; the features are the last entry
-of ``hidden_states`` (post-final-norm, DESIGN.md §6).
+of ``hidden_states`` (post-final-norm, docs/design.md §6).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ On our CPUs the cost of that depends more on *which* fp32 kernel runs than on th
 torch's default paths (MKL through ``torch.mm`` / ``F.linear``) take 2-4x longer at 2-16 rows
 than at one row, while oneDNN with a weight packed once for its blocked layout
 (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``) keeps 8 rows near the
-cost of one (DESIGN.md §6). Which kernel wins differs between CPUs (MKL takes slower code paths
+cost of one (docs/design.md §6). Which kernel wins differs between CPUs (MKL takes slower code paths
 on AMD than on Intel), so nothing here is hard-coded: :func:`measure_plan` times each candidate
 on the model's own weights for each row-count bucket, and the fastest per bucket is used.
 
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ddspec.errors import ConfigError
-from ddspec.fileio import write_json_atomic
+from ddspec.machine import cpu_name
+from ddspec.measured import Entry, measured_once
 
 KERNELS = ("mm", "linear", "onednn", "native")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 256)  # row counts measured; others use the bucket above
@@ -150,7 +151,7 @@ def pick_fastest(timers: dict[str, object], reps: int, progress=None) -> KernelP
         for r in range(reps + 1 if b != LARGE else 2):
             for k in alive:
                 seconds = timers[k](b)
-                if r:  # round 0 warms up
+                if r:  # the first pass warms up
                     times[k].append(seconds)
         medians = {k: statistics.median(v) for k, v in times.items()}
         best = min(alive, key=medians.get)
@@ -214,14 +215,8 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
     The cache key names the CPU, torch build, thread count, dtype, the shapes and ``variant``
     (how the weights are stored, e.g. which are GGUF blocks); a forced
     kernel (``DDSPEC_KERNEL``) or a single candidate skips measuring. A choice timed while other
-    programs used more than ``BUSY_SHARE`` of the CPU is used but not cached.
+    programs used more than ``BUSY_SHARE`` of the CPU is used but not cached (ddspec/measured.py).
     """
-    import hashlib
-    import json
-    import sys
-
-    from ddspec.machine import OtherLoad, cache_root, cpu_name
-
     forced = forced_kernel()
     options = candidates(device, dtype)
     if forced is not None:
@@ -236,27 +231,6 @@ def choose_plan(name: str, shapes: list[tuple[int, int]], device: torch.device, 
         from ddspec import native
 
         key["native"] = native.build_id()
-    path = cache_root() / "kernels" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            return KernelPlan(tuple(data["kernels"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing, stale or unreadable: measure
-    others = OtherLoad()
-    plan = measure(options)
-    share = others.too_busy()
-    if share is not None:
-        # timed while other programs took the CPU: our threads waited on theirs, which favours
-        # whichever kernel minds it least, not the fastest one here; use it now, measure again next time
-        print(f"ddspec: other programs used {share:.0%} of the CPU while the kernels for {name} were timed: "
-              "this choice is not cached", file=sys.stderr)
-        return plan
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"key": key, "kernels": list(plan.kernels),
-                                 "measured": time.strftime("%Y-%m-%d %H:%M:%S")})
-    except OSError as e:
-        print(f"ddspec: cannot cache the kernel choice in {path.parent} ({e.strerror or e}); "
-              "it will be measured again next time", file=sys.stderr)
-    return plan
+    return measured_once(Entry("kernels", key, f"the kernel choice for {name}"),
+                         lambda: {"kernels": list(measure(options).kernels)},
+                         lambda data: KernelPlan(tuple(data["kernels"])))

@@ -1,13 +1,14 @@
 """A compact Llama-family target (Llama, Mistral, Qwen2, SmolLM) written for speed.
 
 Why this exists: through HF transformers one SmolLM2 token costs ~3x the memory floor on our
-CPU, mostly per-layer Python and op overhead (DESIGN.md §6). Here each decoder layer is four
+CPU, mostly per-layer Python and op overhead (docs/design.md §6). Here each decoder layer is four
 matmuls on fused weights (qkv, o, gate+up, down), one RoPE over q and k together, one SDPA
 call, and a static KV cache written by slot. Which fp32 matmul kernel runs is chosen per
 machine and row count by measurement (models/kernels.py): on a CPU, oneDNN with prepacked
 weights keeps a forward over a small draft tree near the cost of one token, where the default
 MKL path costs 2-4x. The choice is measured once per CPU, torch build, thread count and
-weight shapes, and cached (``<cache root>/kernels/``).
+weight shapes, and cached (``<cache root>/kernels/``); models/tuning.py makes it, before the
+model is built from its :class:`LlamaWeights`, and tunes the C kernels on the built model.
 """
 
 from __future__ import annotations
@@ -15,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 from dataclasses import dataclass
-
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ddspec.config import DEFAULT_DRAFT_WEIGHTS
 from ddspec.errors import ConfigError
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import ModelInfo, TargetOutput, expand_mask, masked_attention_backends
-from ddspec.models.kernels import KernelPlan, Weight, choose_plan, forced_kernel, measure_plan
+from ddspec.models.kernels import KernelPlan, Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +102,7 @@ class LlamaLayer:
         self.plan = plan
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
-        native = _native_parts(blocks, kernels)
+        native = native_parts(blocks, kernels)
         self.qkv, self.o, self.gate_up, self.down = (  # stacked where several (no copy of a single one)
             Weight(w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names]), kernels, native(names))
             for names in stacked_names(prefix))
@@ -124,13 +122,6 @@ class LlamaLayer:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
-# the bytes of layer weights the AVX-512 passes are timed on (native.choose_wide): past the last-level
-# caches of these CPUs (32 MB L3 per core complex on AMD EPYC), so that the weights come from
-# memory as in a forward: timed on 8 layers (21 MB, held in the caches between rounds), the
-# choice for 3 rows of the int8 model ran its forward 1.10x slower than the 8-lane passes
-WIDE_TIMING_BYTES = 64 << 20
-
-
 def stacked_names(prefix: str) -> list[list[str]]:
     """The weights a layer multiplies as one matrix each: q|k|v, o, gate|up, down."""
     attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
@@ -138,7 +129,7 @@ def stacked_names(prefix: str) -> list[list[str]]:
             [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"], [f"{mlp}down_proj.weight"]]
 
 
-def _native_parts(blocks: dict | None, kernels: set[str]):
+def native_parts(blocks: dict | None, kernels: set[str]):
     """names -> the stacked NativeWeight of those GGUF block weights, or None (use fp32 values)."""
     def parts(names: list[str]):
         if "native" not in kernels or not blocks or any(n not in blocks for n in names):
@@ -318,97 +309,114 @@ def kv_cache_dtype(activations: str, dtype: torch.dtype, device: torch.device) -
     return torch.float16 if activations == "int8" and device.type == "cpu" else dtype
 
 
-class NativeLlama:
-    """The native implementation of the :class:`~ddspec.models.base.TargetModel` interface."""
+@dataclass
+class LlamaWeights:
+    """A Llama-family model's weights as :class:`NativeLlama` is built from them (:meth:`prepare`).
+    The kernels are chosen on these before the model is built (models/tuning.py): the kernel plans
+    decide which layouts each weight is built in."""
 
-    def __init__(
-        self,
-        weights: dict[str, torch.Tensor],
-        hf_config: dict,
-        info: ModelInfo,
-        tokenizer: object = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        plans: tuple[KernelPlan, KernelPlan] | None = None,
-        gguf=None,
-        activations: str = "fp32",
-    ) -> None:
-        """plans: the matmul kernels of the decoder layers and of the lm_head (models/kernels.py);
-        None = the cached choice for this machine, measured on first use (a few seconds).
-        gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
+    arch: LlamaArch
+    hf_config: dict
+    tensors: dict[str, torch.Tensor]  # by name without "model.", on the device, in the dtype
+    device: torch.device
+    dtype: torch.dtype
+    activations: str  # fp32 or int8
+    blocks: dict  # the GGUF blocks read, NativeWeight by name ({} without)
+    compute: dict  # what the target multiplies with: ``blocks``, or their kinds with 8-bit activations
+    head_name: str  # the lm_head's weight: lm_head.weight, or embed_tokens.weight when tied
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self.tensors[self.head_name]
+
+    @classmethod
+    def prepare(cls, weights: dict[str, torch.Tensor], hf_config: dict, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, gguf=None, activations: str = "fp32",
+                name: str | None = None) -> "LlamaWeights":
+        """gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
         then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes).
         activations: ``fp32``, or ``int8``: those blocks multiply activations rounded to 8 bits per
         block of 32 (as llama.cpp does; native/ddspec_kernels.c, DD_Q4_1_A8): faster, most at
         several rows, and a slightly different model (plain and speculative decoding share it); its
-        KV cache holds fp16 (see :func:`kv_cache_dtype`)."""
-        self.arch = LlamaArch.from_hf_config(hf_config)
-        self.hf_config = dict(hf_config)
+        KV cache holds fp16 (see :func:`kv_cache_dtype`). name: the model's, for messages."""
+        device = torch.device(device)
+        arch = LlamaArch.from_hf_config(hf_config)
+        w = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        tied = arch.tie_embeddings or "lm_head.weight" not in w
+        on_kernels = gguf is not None and device.type == "cpu" and dtype == torch.float32  # the native kernel's case
+        blocks = read_gguf_blocks(gguf, w) if on_kernels else {}
+        return cls(arch, dict(hf_config), w, device, dtype, activations, blocks,
+                   activation_blocks(blocks, activations, name), "embed_tokens.weight" if tied else "lm_head.weight")
+
+
+def read_gguf_blocks(gguf, w: dict[str, torch.Tensor]) -> dict:
+    """The GGUF file's Q4_1 / Q8_0 blocks of the weights ``w`` (fp32 on the CPU), NativeWeight by
+    name: {} without the native kernels."""
+    from ddspec import native
+
+    if not native.available():
+        return {}
+    from ddspec.models.gguf_blocks import native_weights, orders_path
+
+    return native_weights(gguf, w, orders_path(Path(gguf)))
+
+
+def activation_blocks(blocks: dict, activations: str, name: str | None) -> dict:
+    """The blocks the target multiplies with: ``blocks``, or for ``int8`` their kinds with 8-bit
+    activations (``blocks`` stay as read, for draft heads' lm_heads)."""
+    if activations == "fp32":
+        return blocks
+    if activations != "int8":
+        raise ConfigError(f"unknown activations {activations!r}: choose fp32 or int8")
+    if not any(b.kind in ("q4_1", "q8_0") for b in blocks.values()):
+        raise ConfigError(
+            f"--activations int8 multiplies a GGUF model's Q4_1 / Q8_0 weights on a CPU with ddspec's "
+            f"kernels; {name or 'this model'} has none here (a .gguf file and --device cpu "
+            f"--dtype float32 give them). Use --activations fp32.")
+    return {k: b.with_int8_activations() for k, b in blocks.items()}
+
+
+class NativeLlama:
+    """The native implementation of the :class:`~ddspec.models.base.TargetModel` interface, built from
+    :class:`LlamaWeights` with the matmul kernels ``plans`` chose; models/tuning.py chooses them
+    (and the C kernels' options) when models/loading.py loads a target."""
+
+    def __init__(self, parts: LlamaWeights, info: ModelInfo, tokenizer: object,
+                 plans: tuple[KernelPlan, KernelPlan]) -> None:
+        """plans: the matmul kernels of the decoder layers and of the lm_head (models/kernels.py);
+        each weight is built in the layouts of the kernels they name. With ``native`` among the
+        layers' kernels the layers run as one C call (their structs in one array)."""
+        self.arch = parts.arch
+        self.hf_config = dict(parts.hf_config)
         self.info, self.tokenizer = info, tokenizer
-        self.device, self.dtype = torch.device(device), dtype
-        w = {k.removeprefix("model."): v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.device, self.dtype = parts.device, parts.dtype
+        w = parts.tensors
         self.embed_tokens = w["embed_tokens.weight"]  # [V, H]
         self.norm = w["norm.weight"]
         self._final_norm_c = (self.norm.float().contiguous(), float(self.arch.rms_eps))  # the native forward's own
-        head = self.embed_tokens if self.arch.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self._lm_head_oi = head  # [V, H] (the embeddings when tied: no copy)
-        self.blocks = self._gguf_blocks(gguf, w) if gguf is not None else {}
-        self.activations = activations
-        compute = self._activation_blocks(activations)  # what the target multiplies with
-        head_name = "embed_tokens.weight" if head is self.embed_tokens else "lm_head.weight"
-        self._choose_wide(compute, head_name)
-        self.layer_plan, self.head_plan = plans or self._choose_plans(w, head, compute.get(head_name), compute)
+        self._lm_head_oi = parts.head  # [V, H] (the embeddings when tied: no copy)
+        self.activations = parts.activations
+        compute, head_name = parts.compute, parts.head_name  # what the target multiplies with
+        self.layer_plan, self.head_plan = plans
         self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
                        for i in range(self.arch.num_layers)]
-        self.lm_head_w = Weight(head, self.head_plan.needed, compute.get(head_name))
+        self.lm_head_w = Weight(parts.head, self.head_plan.needed, compute.get(head_name))
         # the layers hold their (stacked) blocks now; keep only the lm_head's, for draft lm_heads
-        self.blocks = {k: v for k, v in self.blocks.items() if k == head_name}
-        self.rotary = Rotary(self.arch, self.device, dtype)
+        self.blocks = {k: v for k, v in parts.blocks.items() if k == head_name}
+        self.rotary = Rotary(self.arch, self.device, self.dtype)
         self.cache: StaticKVCache | None = None
-        self.kv_dtype = kv_cache_dtype(activations, dtype, self.device)
+        self.kv_dtype = kv_cache_dtype(parts.activations, self.dtype, self.device)
         # the layers' C structs in one array (for dd_layers_forward), when the native kernel runs them
         self._layer_array = None
-        if self.layers and self.layers[0].fused is not None:
+        if self.native_layers:
             from ddspec.native import layer_array
 
             self._layer_array = layer_array([layer.fused for layer in self.layers])
-            self._choose_attention()
-            self._tune_wide(compute, head_name)
 
-    def _choose_attention(self, prefix: int = 256, sizes: tuple[int, ...] = (4, 8), reps: int = 9) -> None:
-        """Whether the native attention's shared passes run on 16 lanes (where the kernels have them):
-        measured once per machine (cached) as this model's forward over 4 and 8 tokens after
-        ``prefix``, both settings interleaved, by the sum of their medians. The same bits either way."""
-        from ddspec import native
-        from ddspec.machine import interleaved_medians
-
-        a = self.arch
-        if prefix + max(sizes) > a.max_position:
-            return
-
-        def measure() -> bool:
-            print("ddspec: timing the attention passes on this CPU (once, cached)", file=sys.stderr)
-            gen = torch.Generator().manual_seed(0)
-            vocab = self.info.vocab_size
-            try:
-                self.reset(prefix + max(sizes))
-                self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
-                gain = 0.0  # seconds the 16 lanes save, summed over the sizes
-                for n in sizes:
-                    tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
-
-                    def setup(wide: bool) -> None:
-                        native.set_attention_wide(wide)
-                        self.truncate(prefix)
-
-                    medians = interleaved_medians((True, False), lambda _: self.forward(tokens, prefix + torch.arange(n), mask),
-                                                  reps, setup=setup)
-                    gain += medians[False] - medians[True]
-            finally:
-                self.cache = None
-            return gain > 0
-
-        native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
-                                      "layers": a.num_layers, "hidden": a.hidden_size}, measure)
+    @property
+    def native_layers(self) -> bool:
+        """Whether the decoder layers run on the C kernels, all of them in one call."""
+        return bool(self.layers) and self.layers[0].fused is not None
 
     def native_matmuls(self) -> dict[str, list]:
         """The C kernels' weights a forward multiplies with, by matmul, each list in layer order:
@@ -422,157 +430,6 @@ class NativeLlama:
                     out[name].append(w)
         out["lm_head"] = [] if self.lm_head_w.native is None else [self.lm_head_w.native]
         return out
-
-    def _tune_wide(self, blocks: dict, head_name: str, prefix: int = 128) -> None:
-        """Choose the AVX-512 passes of the kinds this forward multiplies with (the layers' and the
-        lm_head's blocks) on the forward itself, over 1..8 new tokens after ``prefix``, among the
-        options that each kind's matmuls alone (native.gemm_sweep over this model's weights of the
-        kind) keep: once per machine, cached (native.tune_wide_on_forward). Models whose layer
-        weights are smaller than WIDE_TIMING_BYTES / 4 (test models: they stay in the caches, unlike
-        a real forward's) keep the choice timed on their matmuls alone (_choose_wide)."""
-        from ddspec import native
-
-        streamed = [b for name, b in blocks.items() if name.startswith("layers.")]
-        streamed_bytes = sum(b.nbytes for b in streamed)
-        if streamed_bytes < WIDE_TIMING_BYTES // 4 or not native.wide_available():
-            return
-        if any(self.layer_plan.kernel(n) != "native" for n in range(1, native.WIDE_ROWS + 1)):
-            return
-        a, rows = self.arch, native.WIDE_ROWS
-        prefix = min(prefix, a.max_position - rows - 1)
-        kinds = sorted({b.kind for b in streamed} | ({blocks[head_name].kind} if head_name in blocks else set()))
-        gen = torch.Generator().manual_seed(0)
-        vocab = self.info.vocab_size
-        inputs = {n: (torch.randint(0, vocab, (n,), generator=gen),
-                      None if n == 1 else torch.ones(n, n, dtype=torch.bool).tril_()) for n in range(1, rows + 1)}
-        prefilled = []  # the prefix is run when the first timing needs it (a cached choice times nothing)
-
-        def setup(n: int) -> None:
-            if not prefilled:
-                self.reset(prefix + rows)
-                self.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
-                prefilled.append(True)
-            self.truncate(prefix)
-
-        def run(n: int) -> None:
-            self.forward(inputs[n][0], prefix + torch.arange(n), inputs[n][1])
-
-        # each kind's matmuls alone (the screening of tune_wide_on_forward): the layers' weights of
-        # that kind in a forward's order, then the lm_head's, one C call per input width
-        per = self.native_matmuls()
-        mats = [w for ws in zip(per["q/k/v"], per["o"], per["gate/up"], per["down"]) for w in ws] + per["lm_head"]
-        by_kind: dict[str, dict[int, list]] = {}  # kind -> input width -> its weights, in a forward's order
-        for m in mats:
-            by_kind.setdefault(m.kind, {}).setdefault(m.in_features, []).append(m)
-        xs = {(n, w): torch.randn(n, w, generator=gen) for n in range(1, rows + 1) for w in {m.in_features for m in mats}}
-
-        def alone(kind: str, n: int) -> None:
-            for width, weights in by_kind.get(kind, {}).items():
-                native.gemm_sweep(weights, xs[n, width])
-
-        model = {"layers": a.num_layers, "hidden": a.hidden_size, "vocab": vocab, "bytes": streamed_bytes}
-        try:
-            native.tune_wide_on_forward(kinds, model, run, setup, alone=alone)
-        finally:
-            self.cache = None
-
-    def _gguf_blocks(self, gguf, w: dict[str, torch.Tensor]) -> dict:
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            return {}
-        from ddspec import native
-
-        if not native.available():
-            return {}
-        from ddspec.models.gguf_blocks import native_weights, orders_path
-
-        return native_weights(gguf, w, orders_path(Path(gguf)))
-
-    def _choose_wide(self, blocks: dict, head_name: str) -> None:
-        """How far ahead the quantised passes prefetch and, where the kernels have AVX-512 passes,
-        which to run for each row count of the blocks' kinds: measured once per machine (cached) on
-        the layers' weights stacked as the layers
-        multiply them, as many layers as make WIDE_TIMING_BYTES (more than a CPU's caches hold,
-        as in a forward, which streams every layer from memory), and on the lm_head. Where the
-        kernels also have the passes for 8-bit activations and the target does not use the
-        default draft heads' kind (q4_1a8), that kind is timed too, on the first 4 layers' Q4_1
-        weights (a head's working set, which stays in the caches between its levels)."""
-        from ddspec import native
-
-        if not blocks or not native.available():
-            return
-        groups = [names for i in range(self.arch.num_layers) for names in stacked_names(f"layers.{i}.")
-                  if all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1]
-        head = blocks.get(head_name)
-        shapes: dict[str, set[str]] = {}
-        for names in groups:
-            shapes.setdefault(blocks[names[0]].kind, set()).add(
-                f"{sum(blocks[n].out_features for n in names)}x{blocks[names[0]].in_features}")
-        if head is not None:
-            shapes.setdefault(head.kind, set()).add(f"{head.out_features}x{head.in_features}")
-        heads, base = DEFAULT_DRAFT_WEIGHTS, DEFAULT_DRAFT_WEIGHTS.removesuffix("a8")
-        for_heads = heads != base and heads not in shapes and base in shapes
-        if for_heads:
-            shapes[heads] = {"head " + s for s in shapes[base]}
-
-        def weights() -> dict[str, list]:
-            parts = _native_parts(blocks, {"native"})
-            by_kind: dict[str, list] = {}
-            taken = 0
-            for names in groups:
-                if taken >= WIDE_TIMING_BYTES:
-                    break
-                weight = parts(names)
-                by_kind.setdefault(weight.kind, []).append(weight)
-                taken += weight.nbytes
-            if head is not None:
-                by_kind.setdefault(head.kind, []).append(head)
-            if for_heads:
-                by_kind[heads] = [w.with_int8_activations() for w in by_kind[base][:16] if w.kind == base]
-            return by_kind
-
-        native.choose_wide(weights, {k: sorted(v) for k, v in shapes.items()})
-
-    def _activation_blocks(self, activations: str) -> dict:
-        """The blocks the target multiplies with: ``self.blocks``, or for ``int8`` their kinds with
-        8-bit activations (``self.blocks`` stays as read, for draft heads' lm_heads)."""
-        if activations == "fp32":
-            return self.blocks
-        if activations != "int8":
-            raise ConfigError(f"unknown activations {activations!r}: choose fp32 or int8")
-        if not any(b.kind in ("q4_1", "q8_0") for b in self.blocks.values()):
-            raise ConfigError(
-                f"--activations int8 multiplies a GGUF model's Q4_1 / Q8_0 weights on a CPU with ddspec's "
-                f"kernels; {self.info.name or 'this model'} has none here (a .gguf file and --device cpu "
-                f"--dtype float32 give them). Use --activations fp32.")
-        return {k: b.with_int8_activations() for k, b in self.blocks.items()}
-
-    def _choose_plans(self, w: dict[str, torch.Tensor], head: torch.Tensor, head_blocks,
-                      blocks: dict) -> tuple[KernelPlan, KernelPlan]:
-        """Measure (once per machine, cached) which kernel runs each row count fastest, on the first
-        few layers' own weights and on the lm_head."""
-        if blocks is not self.blocks:  # int8 activations: every matmul of the blocks on those kernels, one model
-            forced = forced_kernel()
-            if forced not in (None, "native"):
-                raise ConfigError(f"--activations int8 runs on the native kernels; DDSPEC_KERNEL={forced} asks for "
-                                  f"another. Unset DDSPEC_KERNEL or use --activations fp32.")
-            return KernelPlan.uniform("native"), KernelPlan.uniform("native")
-        probe_layers = range(min(4, self.arch.num_layers))
-
-        def layers(options: tuple[str, ...]) -> KernelPlan:
-            print(f"ddspec: choosing matmul kernels for this CPU ({', '.join(options)}; once, cached)", file=sys.stderr)
-            probe = [LlamaLayer(w, f"layers.{i}.", self.arch, KernelPlan.uniform("mm"), set(options), blocks)
-                     for i in probe_layers]
-            return measure_layers_plan(probe, self.arch, Rotary(self.arch, self.device, self.dtype), options)
-
-        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-        layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
-        variant = ",".join(sorted({f"{b.kind}" for b in blocks.values()}))  # which GGUF blocks the native kernel reads
-        layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, self.device, self.dtype, layers, variant)
-        head_plan = choose_plan("lm_head", [list(head.shape)], self.device, self.dtype,
-                                lambda options: measure_plan([[Weight(head, set(options), head_blocks)]], options),
-                                head_blocks.kind if head_blocks is not None else "")
-        return layer_plan, head_plan
 
     # -- cache ---------------------------------------------------------------------------
     @property

@@ -265,11 +265,22 @@ def load_target(
         raise ModelLoadError(f"--activations {activations} needs the native implementation (--impl native or "
                              f"auto, a Llama-family model); use --activations fp32 with --impl hf")
     if impl == "native" or (impl == "auto" and native_ok):
-        from ddspec.models.llama import NativeLlama
-
-        return NativeLlama(load_weights(model_dir), cfg, info, tokenizer, device=device, dtype=dtype, gguf=gguf,
-                           activations=activations)
+        return load_native_target(model_dir, cfg, info, tokenizer, device, dtype, gguf, activations)
     return load_hf_target(model_dir, info, tokenizer, device, dtype)
+
+
+def load_native_target(model_dir: Path, cfg: dict, info: ModelInfo, tokenizer, device: str, dtype: torch.dtype,
+                       gguf: Path | None, activations: str):
+    """A NativeLlama with the kernels chosen for this machine (models/tuning.py: the matmul kernels
+    before it is built, since they decide its weights' layouts; the C kernels' options on it after)."""
+    from ddspec.models import tuning
+    from ddspec.models.llama import LlamaWeights, NativeLlama
+
+    parts = LlamaWeights.prepare(load_weights(model_dir), cfg, device=device, dtype=dtype, gguf=gguf,
+                                 activations=activations, name=info.name)
+    model = NativeLlama(parts, info, tokenizer, tuning.choose_plans(parts))
+    tuning.tune(model, parts)
+    return model
 
 
 def _gguf_source(spec: str) -> Path | None:

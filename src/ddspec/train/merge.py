@@ -1,7 +1,7 @@
 """`ddspec train merge --out RUN --from OTHER`: train on another run's data too.
 
 Data made in another run folder (new sampled passes made with ``--first-sampled-pass K``, say, or
-data from an earlier session) joins RUN's: every shard of OTHER/data is added after RUN's own,
+data from an earlier run) joins RUN's: every shard of OTHER/data is added after RUN's own,
 hard-linked where the file system allows (no second copy on disk), else copied, with its layer
 states (``layers-*.pt``) when OTHER has them for the same layers. The appended shards are the
 newest, so a later ``fit --val-sequences N`` holds out the last N of them.

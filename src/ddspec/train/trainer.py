@@ -1,4 +1,4 @@
-"""Stage 3: train an EAGLE-1/2 head on the target's own answers (DESIGN.md §2.1).
+"""Stage 3: train an EAGLE-1/2 head on the target's own answers (docs/design.md §2.1).
 
 Objective (EAGLE-1): SmoothL1(f̂_{t+1}, f_{t+1}) + 0.1 · CE(softmax(lm_head(f_{t+1})),
 log_softmax(lm_head(f̂_{t+1}))), on response positions only, with uniform noise U(-a, a) on

@@ -1,4 +1,4 @@
-"""A cost-aware draft policy: grow the tree while it pays, on the machine at hand (DESIGN §2.4).
+"""A cost-aware draft policy: grow the tree while it pays, on the machine at hand (docs/design.md §2.4).
 
 DDD and EAGLE-2 look only at draft confidence; neither knows that on a CPU a target forward
 over 32 tokens costs several times one token, or that a draft level is not free. This policy
@@ -24,327 +24,17 @@ arithmetic runs on Python floats (a few dozen tiny tensor ops would cost more th
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-# score bins (log-probability of the whole path) for the acceptance map
-SCORE_EDGES = (-12.0, -8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.05)
+from ddspec.tree.acceptance import AcceptanceModel
+from ddspec.tree.cost_model import CostModel, flat_cost, linear_cost
+from ddspec.tree.host import host_list
+from ddspec.tree.learned_costs import LearnedCosts
 
-
-def monotone(verify_ms: dict[int, float]) -> dict[int, float]:
-    """Verifying more tokens never costs less than fewer (one could pad), so a curve that says
-    otherwise (measured while the CPU was busy, or noise between neighbours) is cut down to what
-    its larger sizes show: T(n) = min over m >= n of T(m). A one-token step then never looks
-    dearer than a bigger tree, which would otherwise make plain steps look worse than they are."""
-    out, cheapest = {}, math.inf
-    for n in sorted(verify_ms, reverse=True):
-        cheapest = out[n] = min(verify_ms[n], cheapest)
-    return dict(sorted(out.items()))
-
-
-@dataclass
-class CostModel:
-    """Measured times (ms) of one step's pieces; verify_ms is interpolated between measured N."""
-
-    verify_ms: dict[int, float]  # target forward over N new tokens -> ms
-    draft_root_ms: float  # the root's draft distribution (paid on every step)
-    draft_level_ms: float  # one more level: head on the frontier, log-softmax, top-k
-    other_ms: float = 0.0  # per-step work that does not depend on the tree (commit, head refresh)
-
-    def __post_init__(self) -> None:
-        if not self.verify_ms or any(n < 1 or t <= 0 for n, t in self.verify_ms.items()):
-            raise ValueError(f"verify_ms needs positive times for N >= 1, got {self.verify_ms}")
-        self.verify_ms = monotone(self.verify_ms)
-        pts = sorted(self.verify_ms.items())
-        self._n = [float(p[0]) for p in pts]
-        self._t = [float(p[1]) for p in pts]
-        self._table: list[float] = []  # verify(1), verify(2), ... as floats (see verify_list)
-
-    def verify_one(self, n: float) -> float:
-        """ms of verifying n tokens (linear between points, linear beyond the last two, never below
-        the first point's). Python floats: the policy prices sizes every step, and on a CPU the
-        dozen tensor ops this took cost more than a draft level's matmuls."""
-        xs, ts = self._n, self._t
-        if len(xs) == 1:
-            return ts[0] * n / xs[0]
-        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)
-        x0, x1, t0, t1 = xs[i - 1], xs[i], ts[i - 1], ts[i]
-        return max(t0 + (t1 - t0) * (n - x0) / (x1 - x0), ts[0])
-
-    def verify(self, n: torch.Tensor) -> torch.Tensor:
-        """:meth:`verify_one` of each of n [M] -> [M] float64."""
-        return torch.tensor([self.verify_one(float(m)) for m in n.reshape(-1).tolist()],
-                            dtype=torch.float64).reshape(n.shape)
-
-    def verify_list(self, n_max: int) -> list[float]:
-        """[verify(1), ..., verify(n_max)], computed once per size."""
-        if len(self._table) < n_max:
-            self._table = [self.verify_one(m) for m in range(1, max(n_max, 2 * len(self._table)) + 1)]
-        return self._table
-
-    def draft(self, levels: int) -> float:
-        return self.draft_root_ms + max(0, levels - 1) * self.draft_level_ms
-
-
-@dataclass(slots=True)
-class AcceptanceModel:
-    """P(a drafted node is accepted | its score), per score bin, learned online.
-
-    Prior: a node is accepted with probability exp(score) (the draft's own belief), worth
-    ``prior_weight`` observations per bin; verdicts then pull each bin to what is observed.
-    A node counts as accepted when it lies on the accepted path.
-    """
-
-    prior_weight: float = 20.0
-    edges: torch.Tensor = field(default_factory=lambda: torch.tensor(SCORE_EDGES, dtype=torch.float64))
-    accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SCORE_EDGES) + 1, dtype=torch.float64))
-    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SCORE_EDGES) + 1, dtype=torch.float64))
-    _lists: tuple | None = field(default=None, repr=False, compare=False)  # (edges, accepted, seen) as lists
-
-    def _bins(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.bucketize(scores.to("cpu", torch.float64), self.edges)
-
-    def prob(self, scores: torch.Tensor) -> torch.Tensor:
-        """[M] scores -> [M] acceptance probabilities (the counts live on the host: a GPU's scores come over)."""
-        s = scores.to("cpu", torch.float64)
-        b = self._bins(s)
-        prior = s.clamp(max=0).exp()
-        w = self.prior_weight
-        return (self.accepted[b] + w * prior) / (self.seen[b] + w)
-
-    def update(self, scores: torch.Tensor | list[float], accepted: torch.Tensor | list[bool]) -> None:
-        """scores [M] of the drafted nodes of a verified tree; accepted [M] bool (tensors or host lists).
-        Counted on the host lists, the tensors rewritten from them (two small tensors instead of
-        bucketize and two index_add_, a tenth of the time)."""
-        if self._lists is None:
-            self._lists = (self.edges.tolist(), self.accepted.tolist(), self.seen.tolist())
-        edges, acc, seen = self._lists
-        for score, ok in zip(_host(scores), _host(accepted)):
-            b = bisect.bisect_left(edges, score)  # torch.bucketize's bins (right=False)
-            seen[b] += 1.0
-            acc[b] += 1.0 if ok else 0.0
-        self.seen = torch.tensor(seen, dtype=torch.float64)
-        self.accepted = torch.tensor(acc, dtype=torch.float64)
-
-    def prob_list(self, scores: list[float]) -> list[float]:
-        """:meth:`prob` on Python floats (the same bins, prior and counts; no tensor ops)."""
-        if self._lists is None:
-            self._lists = (self.edges.tolist(), self.accepted.tolist(), self.seen.tolist())
-        edges, acc, seen = self._lists
-        w = self.prior_weight
-        out = []
-        for s in scores:
-            b = bisect.bisect_left(edges, s)  # torch.bucketize's bins (right=False)
-            out.append((acc[b] + w * math.exp(min(s, 0.0))) / (seen[b] + w))
-        return out
-
-    def state(self) -> dict:
-        return {"edges": self.edges.tolist(), "accepted": self.accepted.tolist(), "seen": self.seen.tolist()}
-
-
-class LearnedCosts:
-    """The calibrated :class:`CostModel`, corrected online by the step times actually observed.
-
-    A calibration can be wrong (measured while another program loaded the CPU, or in a tighter
-    loop than real steps run); this keeps the policy's costs honest without re-calibrating:
-
-    - *verify phase* (target forward + acceptance + commit + head refresh) of an N-node tree:
-      the calibrated ``verify(N) + other`` times a correction ``exp(r)``, where ``r`` is a decayed
-      mean of log(observed / calibrated) at the calibration size nearest N; sizes not yet
-      observed take ``r`` interpolated from the observed ones (flat beyond them), so one
-      observation at N = 1 already rescales the whole curve;
-    - *draft*: the root's cost and the per-level cost, each a decayed mean of what was observed
-      (a level's cost = (draft time - root cost) / (levels - 1)); a value more than 3x the
-      current estimate counts only when three such come in a row, so one slow step (a first
-      call at a new shape, a context switch) cannot make the policy believe drafting is dear
-      and stop drafting (it then rarely observes a level to correct itself); until a level is
-      observed it scales with the root's correction when that is below 1;
-    - *plain step* (verify a root alone, no draft, no head refresh) and *gap* (per-step work
-      outside both phases: emitting, detokenising): decayed means, from the calibration's
-      one-token forward and 0.
-
-    ``current`` is the corrected curve as a CostModel (verify_ms = the whole verify phase,
-    other_ms = the gap). ``drift`` says how far it has moved from the calibration.
-    """
-
-    jump, jumps_needed = 3.0, 3  # a draft cost this many times the estimate counts after this many in a row
-
-    def __init__(self, base: CostModel, decay: float = 0.9) -> None:
-        self.base, self.decay = base, decay
-        self.sizes = sorted(base.verify_ms)
-        self.log_ratio = [0.0] * len(self.sizes)
-        self.seen = [0.0] * len(self.sizes)  # decayed observation counts per size
-        self.root_ms, self.level_ms = base.draft_root_ms, base.draft_level_ms
-        self.root_seen = self.level_seen = 0.0
-        self._jumps = {"root": 0, "level": 0}  # consecutive observations > 3x the estimate
-        self.plain_ms, self.gap_ms = base.verify_ms[self.sizes[0]], 0.0
-        self.plain_seen = self.gap_seen = 0.0
-        self.chain_ms: dict[int, tuple[float, float]] = {}  # plain steps verifying a lookup chain: size -> (mean, seen)
-        self.steps = 0
-        self._current: CostModel | None = None  # rebuilt when next read after an observation
-
-    # -- estimates ------------------------------------------------------------------------
-    def _ratios(self) -> list[float]:
-        """Log corrections at every calibration size: observed, else interpolated."""
-        known = [(i, r) for i, (r, c) in enumerate(zip(self.log_ratio, self.seen)) if c > 0]
-        if not known:
-            return [0.0] * len(self.sizes)
-        out = []
-        for i in range(len(self.sizes)):
-            below = [(j, r) for j, r in known if j <= i]
-            above = [(j, r) for j, r in known if j >= i]
-            if not below or not above:
-                out.append((below or above)[-1 if below else 0][1])
-            else:
-                (j0, r0), (j1, r1) = below[-1], above[0]
-                out.append(r0 if j0 == j1 else r0 + (r1 - r0) * (i - j0) / (j1 - j0))
-        return out
-
-    def _rebuild(self) -> CostModel:
-        base = self.base
-        phase = monotone({n: (base.verify_ms[n] + base.other_ms) * math.exp(r)
-                          for n, r in zip(self.sizes, self._ratios())})
-        # until a level is seen, levels follow the root's correction, but only downwards: a real
-        # step's root also pays the policy's own bookkeeping, which the calibration's bare root
-        # distribution does not (4 ms vs 0.5 ms here), and a level believed dear is never drafted,
-        # so never observed, so never corrected
-        level = self.level_ms if self.level_seen else base.draft_level_ms * min(
-            1.0, self.root_ms / max(base.draft_root_ms, 1e-6))
-        return CostModel(verify_ms=phase, draft_root_ms=self.root_ms, draft_level_ms=level, other_ms=self.gap_ms)
-
-    def plain_estimate(self) -> float:
-        """ms of a plain step's verify phase: observed, else the calibration's one-token forward,
-        but never more than the corrected curve says a drafted step's one-token phase takes (which
-        adds the head's refresh): a calibration made under load is corrected by drafted steps
-        even when every plain step verifies a lookup chain (those do not teach ``plain_ms``)."""
-        if self.plain_seen:
-            return self.plain_ms
-        return min(self.plain_ms, self.current.verify_ms[self.sizes[0]])
-
-    def plain_verify(self, n: int) -> float:
-        """ms of a plain step's verify phase with ``n`` nodes (the root and a lookup chain of n - 1):
-        observed at that size, else the plain step's estimate times the calibrated curve's
-        T(n) / T(1) (:meth:`curve_verify`)."""
-        if n <= 1:
-            return self.plain_estimate()
-        if n in self.chain_ms:
-            return self.chain_ms[n][0]
-        return self.curve_verify(n)
-
-    def curve_verify(self, n: int) -> float:
-        """The plain step's estimate times the calibrated curve's T(n) / T(1)."""
-        v = self.base.verify_list(n)
-        return self.plain_estimate() * v[n - 1] / v[0]
-
-    # a chain size's learned cost starts from the curve's (counted as one step), and one step moves it
-    # by at most half of the estimate: a single slow step (this VM's neighbours) at a size rarely met
-    # used to set its cost outright, e.g. 27 ms for 7 nodes that take 8.7, and a size believed that
-    # dear is never verified again, so never corrected (Intel Xeon family 6 model 207, int8)
-    chain_step_limit = 0.5
-    chain_restore_limit = 2.0  # a remembered chain cost over this many times the curve's is learnt again
-
-    def _observe_chain(self, n: int, verify_ms: float) -> None:
-        mean, seen = self.chain_ms.get(n, (self.curve_verify(n), 1.0))
-        step = self.chain_step_limit * mean
-        self.chain_ms[n] = self._mean(mean, seen, min(max(verify_ms, mean - step), mean + step))
-
-    def drift(self, min_seen: float = 1.0) -> float:
-        """Largest |log(learned / calibrated)| over the verify sizes and draft costs observed at
-        least ``min_seen`` times (decayed counts)."""
-        return max((abs(math.log(learned / calibrated)) for _, calibrated, learned in self.drifts(min_seen)), default=0.0)
-
-    def drifts(self, min_seen: float = 1.0) -> list[tuple[str, float, float]]:
-        """(what, calibrated ms, learned ms) for each estimate observed at least ``min_seen`` times,
-        the largest change (as a ratio) first."""
-        base = self.base
-        out = [(f"verifying {n}", base.verify_ms[n] + base.other_ms, (base.verify_ms[n] + base.other_ms) * math.exp(r))
-               for n, r, c in zip(self.sizes, self.log_ratio, self.seen) if c >= min_seen]
-        if self.root_seen >= min_seen:
-            out.append(("the draft root", max(base.draft_root_ms, 1e-6), max(self.root_ms, 1e-6)))
-        if self.level_seen >= min_seen:
-            out.append(("a draft level", max(base.draft_level_ms, 1e-6), max(self.level_ms, 1e-6)))
-        return sorted(out, key=lambda d: -abs(math.log(d[2] / d[1])))
-
-    def as_calibration(self) -> CostModel:
-        """The learned curve in the calibration's own terms (verify without the per-step rest)."""
-        other = self.base.other_ms
-        cur = self.current
-        return CostModel(verify_ms={n: max(t - other, 0.01) for n, t in cur.verify_ms.items()},
-                         draft_root_ms=cur.draft_root_ms, draft_level_ms=cur.draft_level_ms, other_ms=other)
-
-    # -- observations ---------------------------------------------------------------------
-    def _draft_mean(self, name: str, old: float, seen: float, value: float) -> tuple[float, float]:
-        if value > self.jump * old:
-            self._jumps[name] += 1
-            if self._jumps[name] < self.jumps_needed:
-                return old, seen  # an isolated slow step: wait for confirmation
-        else:
-            self._jumps[name] = 0
-        return self._mean(old, seen, value)
-
-    def _mean(self, old: float, seen: float, value: float) -> tuple[float, float]:
-        """Decayed running mean: the first observation replaces the prior outright."""
-        seen = seen * self.decay + 1.0
-        return old + (value - old) / seen, seen
-
-    def observe(self, tree_size: int, levels: int, draft_ms: float | None, verify_ms: float, gap_ms: float,
-                drafted: bool) -> None:
-        """One step's measured times. ``drafted``: the head ran (root distribution and levels) and its
-        cache was refreshed; False for a plain step (root only, no head work). ``draft_ms`` None: the
-        draft phase did other work too (the head catching up after plain steps), learn nothing from it."""
-        self.steps += 1
-        self.gap_ms, self.gap_seen = self._mean(self.gap_ms, self.gap_seen, max(gap_ms, 0.0))
-        if not drafted:
-            if tree_size == 1:  # a plain step that verified a free (lookup) chain costs more: not this
-                self.plain_ms, self.plain_seen = self._mean(self.plain_ms, self.plain_seen, verify_ms)
-            else:
-                self._observe_chain(tree_size, verify_ms)
-            self._current = None
-            return
-        i = min(range(len(self.sizes)), key=lambda j: abs(math.log(self.sizes[j] / tree_size)))
-        calibrated = self.base.verify_one(tree_size) + self.base.other_ms
-        r = math.log(max(verify_ms, 1e-3) / calibrated)
-        self.log_ratio[i], self.seen[i] = self._mean(self.log_ratio[i], self.seen[i], r)
-        if draft_ms is None:
-            pass
-        elif levels <= 1:
-            self.root_ms, self.root_seen = self._draft_mean("root", self.root_ms, self.root_seen, max(draft_ms, 1e-3))
-        else:
-            per_level = max((draft_ms - self.root_ms) / (levels - 1), 0.01)
-            self.level_ms, self.level_seen = self._draft_mean("level", self.level_ms, self.level_seen, per_level)
-        self._current = None
-
-    # -- memory across runs ----------------------------------------------------------------
-    _SNAPSHOT = ("log_ratio", "seen", "root_ms", "level_ms", "root_seen", "level_seen", "plain_ms", "gap_ms",
-                 "plain_seen", "gap_seen")
-
-    def snapshot(self) -> dict:
-        """What was learned, as JSON-able data (:meth:`restore` reads it back)."""
-        data = {k: getattr(self, k) for k in self._SNAPSHOT}
-        data["sizes"] = self.sizes
-        data["chain_ms"] = {str(n): list(v) for n, v in self.chain_ms.items()}
-        return data
-
-    def restore(self, data: dict) -> None:
-        """Take up what an earlier run learned (:meth:`snapshot`); ignored when its sizes differ."""
-        if data.get("sizes") != self.sizes:
-            return
-        for k in self._SNAPSHOT:
-            v = data[k]
-            setattr(self, k, [float(x) for x in v] if isinstance(v, list) else float(v))
-        self._current = None
-        chains = {int(n): (float(m), float(c)) for n, (m, c) in data.get("chain_ms", {}).items()}
-        self.chain_ms = {n: v for n, v in chains.items() if v[0] <= self.chain_restore_limit * self.curve_verify(n)}
-
-    @property
-    def current(self) -> CostModel:
-        """The costs as learned so far (calibration corrected by the observed steps)."""
-        if self._current is None:
-            self._current = self._rebuild()
-        return self._current
+# what callers import from here: the policy's parts live in their own modules
+__all__ = ["AcceptanceModel", "CostAwarePolicy", "CostModel", "LearnedCosts", "flat_cost", "linear_cost"]
 
 
 class CostAwarePolicy:
@@ -423,33 +113,32 @@ class CostAwarePolicy:
         self.costs = LearnedCosts(cost)
 
     # -- the rate ----------------------------------------------------------------------------
-    def rates(self, scores: torch.Tensor, levels: int) -> torch.Tensor:
-        """rate for N = 1 .. min(M + 1, max_tokens) verified nodes (root included) -> [N]."""
-        return torch.tensor(self._rates(scores.tolist(), levels), dtype=torch.float64)
-
+    # Python floats throughout: the policy prices sizes a few times per level, and on a CPU a few
+    # dozen small tensor ops cost about a millisecond, as much as a draft level's matmuls
     def _gains(self, scores: list[float]) -> list[float]:
         """Expected tokens of verifying the root and the N - 1 best nodes, for N = 1, 2, ..."""
         best = sorted(scores, reverse=True)[: self.max_tokens - 1]
         gains = [1.0]
-        for p in self.acceptance.prob_list(best):
+        for p in self.acceptance.prob(best):
             gains.append(gains[-1] + p)
         return gains
 
-    def _step_ms(self, n: int, levels: int) -> float:
+    def _step_ms(self, levels: int, n_max: int) -> list[float]:
+        """Expected ms of a step that drafts ``levels`` levels and verifies N = 1 .. n_max nodes (root
+        included): the draft, the per-step rest and the verification."""
         cost = self.cost
-        return cost.draft(levels) + cost.verify_list(n)[n - 1] + cost.other_ms
+        fixed = cost.draft(levels) + cost.other_ms
+        return [fixed + v for v in cost.verify_list(n_max)[:n_max]]
 
-    def _rates(self, scores: list[float], levels: int) -> list[float]:
-        """The rates on Python floats: the policy runs this a few times per level, and on a CPU a
-        few dozen small tensor ops cost about a millisecond, as much as a draft level's matmuls."""
+    def rates(self, scores: list[float], levels: int) -> list[float]:
+        """Expected tokens per ms of verifying N = 1 .. min(M + 1, max_tokens) nodes (the root and the
+        N - 1 best of the M drafted ``scores``), after ``levels`` draft levels."""
         gains = self._gains(scores)
-        cost = self.cost
-        verify, fixed = cost.verify_list(len(gains)), cost.draft(levels) + cost.other_ms
-        return [g / (fixed + verify[i]) for i, g in enumerate(gains)]
+        return [g / ms for g, ms in zip(gains, self._step_ms(levels, len(gains)))]
 
     def best(self, scores: torch.Tensor | list[float], levels: int) -> tuple[int, float]:
         """(N, rate) of the best verified size for these scores (the first N on ties)."""
-        r = self._rates(scores if isinstance(scores, list) else scores.tolist(), levels)  # host sync: a decision point
+        r = self.rates(host_list(scores), levels)  # a tensor's host sync: a decision point
         i = max(range(len(r)), key=r.__getitem__)
         return i + 1, r[i]
 
@@ -462,12 +151,16 @@ class CostAwarePolicy:
         measured rate of the plain steps that had a chain (the pooled rate until there are
         ``min_drafted`` of them): the choice is made for the step at hand, not on average."""
         if chain is False:
-            return 1.0 / (self.costs.plain_estimate() + self.costs.gap_ms)
+            return 1.0 / self._plain_step_ms()
         if chain and self._chain_steps >= self.min_drafted and self._chain_ms > 0:
             return self._chain_tokens / self._chain_ms
         if self._plain_steps >= self.min_drafted and self._plain_ms_sum > 0:
             return self._plain_tokens / self._plain_ms_sum
-        return 1.0 / (self.costs.plain_estimate() + self.costs.gap_ms)
+        return 1.0 / self._plain_step_ms()
+
+    def _plain_step_ms(self) -> float:
+        """ms of a plain step as the costs estimate it: its verify phase and the gap between steps."""
+        return self.costs.plain_estimate() + self.costs.gap_ms
 
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
@@ -528,7 +221,7 @@ class CostAwarePolicy:
             if self._plain_weight > 0:  # what recent plain steps (with their lookup chains) took
                 self.prediction = (self._plain_tokens / self._plain_weight, self._plain_ms_sum / self._plain_weight)
             else:
-                self.prediction = (1.0, self.costs.plain_estimate() + self.costs.gap_ms)
+                self.prediction = (1.0, self._plain_step_ms())
         return choice
 
     # -- lookup chains -------------------------------------------------------------------------
@@ -589,38 +282,40 @@ class CostAwarePolicy:
         host lists (a CPU drafter's, tree/host.py)."""
         self.levels = level
         if level_logprobs is not None and len(level_logprobs):
-            best = _host(level_logprobs)
+            best = host_list(level_logprobs)
             self.child_logprob = 0.9 * self.child_logprob + 0.1 * (sum(best) / len(best))
         if level >= self.max_depth:
             return False
-        frontier = _host(frontier_scores)
-        scores = frontier if candidate_scores is None else _host(candidate_scores)
+        frontier = host_list(frontier_scores)
+        scores = frontier if candidate_scores is None else host_list(candidate_scores)
         self.syncs += 1
         _, now = self.best(scores, level)
         self.next_size, after = self.best(scores + [s + self.child_logprob for s in frontier], level + 1)
         return after > now
 
-    def frontier_keep(self, candidate_scores: torch.Tensor, frontier: torch.Tensor) -> torch.Tensor:
-        """[k] bool: which frontier nodes (candidate indices) are worth running the head on.
+    def frontier_rows(self, candidate_scores: list[float], frontier: list[int]) -> list[int]:
+        """The positions in ``frontier`` (candidate indices) of the nodes worth running the head on,
+        ascending.
 
         A child never scores above its parent, so a frontier node ranked below the best
         ``next_size`` drafted candidates (the size :meth:`continue_after` expects to verify after
         the next level, plus one node of slack; ties ranked by index) cannot have a child in that
         tree: its row would only make the level dearer. The best frontier node is always kept."""
-        m = candidate_scores.numel()
-        if self.next_size >= m:
-            return torch.ones(frontier.shape, dtype=torch.bool, device=frontier.device)
-        order = torch.argsort(candidate_scores, descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(m, device=order.device)
-        keep = rank[frontier] < self.next_size
-        keep[rank[frontier].argmin()] = True
-        return keep
+        size = self.next_size
+        if size >= len(candidate_scores):
+            return list(range(len(frontier)))
+        order = sorted(range(len(candidate_scores)), key=lambda i: -candidate_scores[i])
+        rank = [0] * len(candidate_scores)
+        for r, i in enumerate(order):
+            rank[i] = r
+        ranks = [rank[f] for f in frontier]
+        best = ranks.index(min(ranks))
+        return [j for j, r in enumerate(ranks) if r < size or j == best]
 
     def tree_size(self, candidate_scores: torch.Tensor | list[float]) -> int:
         """Total verified nodes (root included) that maximise the rate for the drafted levels."""
         levels = max(1, self.levels)
-        scores = _host(candidate_scores)
+        scores = host_list(candidate_scores)
         n, _ = self.best(scores, levels)
         gains, best = self._gains(scores), n
         if self._probe_size:
@@ -629,12 +324,14 @@ class CostAwarePolicy:
             self._since_size_probe = 0
         else:
             self._since_size_probe += 1
-        self.prediction = (gains[n - 1], self._step_ms(n, levels))
+        step_ms = self._step_ms(levels, max(n, best))
+        self.prediction = (gains[n - 1], step_ms[n - 1])
         # a probe is a measurement, not the choice: what drafting yields is the best size's forecast
-        self._probe_extra = (gains[n - 1] - gains[best - 1], self.prediction[1] - self._step_ms(best, levels))
+        self._probe_extra = (gains[n - 1] - gains[best - 1], self.prediction[1] - step_ms[best - 1])
         return n
 
-    def observe(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, scores: torch.Tensor | list[float], accepted: torch.Tensor | list[bool]) -> None:
+        """A verified tree's drafted nodes: their scores [M] and whether each lay on the accepted path [M]."""
         self.acceptance.update(scores, accepted)
 
     def note_graft(self, size: int, added: int) -> None:
@@ -731,12 +428,10 @@ class CostAwarePolicy:
         for k in self._SNAPSHOT:
             setattr(self, k, type(getattr(self, k))(data[k]))
         acc = data["acceptance"]
-        if acc["edges"] == self.acceptance.edges.tolist():
-            seen = torch.tensor(acc["seen"], dtype=torch.float64)
-            scale = min(1.0, self.memory_cap / max(float(seen.max()), 1.0))
-            self.acceptance.seen = seen * scale
-            self.acceptance.accepted = torch.tensor(acc["accepted"], dtype=torch.float64) * scale
-            self.acceptance._lists = None
+        if acc["edges"] == self.acceptance.edges:
+            scale = min(1.0, self.memory_cap / max(float(max(acc["seen"])), 1.0))
+            self.acceptance.seen = [float(x) * scale for x in acc["seen"]]
+            self.acceptance.accepted = [float(x) * scale for x in acc["accepted"]]
         chains = {}
         for order, (seen, accepted) in data.get("chains", {}).items():
             scale = min(1.0, self.memory_cap / max(max(seen, default=0.0), 1.0))
@@ -748,22 +443,3 @@ class CostAwarePolicy:
 
     def __repr__(self) -> str:
         return f"CostAwarePolicy(max_depth={self.max_depth}, max_tokens={self.max_tokens})"
-
-
-def _host(values: torch.Tensor | list[float]) -> list[float]:
-    """Scores as a host list (a CPU drafter passes lists already; a tensor is read: a host sync)."""
-    return values if isinstance(values, list) else values.tolist()
-
-
-def flat_cost(ms: float = 20.0, n_max: int = 128) -> dict[int, float]:
-    """A GPU-like verification cost: the same for every N up to n_max."""
-    return {1: ms, n_max: ms * 1.0001}
-
-
-def linear_cost(base_ms: float, per_token_ms: float, n_max: int = 128) -> dict[int, float]:
-    return {n: base_ms + per_token_ms * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64, n_max)}
-
-
-def expected_gain_of_chain(p: float, depth: int) -> float:
-    """E(accepted) of a chain whose every link is accepted with probability p (for tests/docs)."""
-    return sum(math.pow(p, d) for d in range(1, depth + 1))

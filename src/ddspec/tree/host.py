@@ -78,16 +78,7 @@ class HostCandidates:
         return DraftTree.from_host(tokens, parents, depths, node_scores, device), added
 
 
-def frontier_rows(scores: list[float], frontier: list[int], size: int) -> list[int]:
-    """The positions in ``frontier`` (candidate indices) of the nodes worth running the head on: those
-    ranked among the ``size`` best candidates (ties to the earlier one), and the best frontier node
-    always. :meth:`~ddspec.tree.cost.CostAwarePolicy.frontier_keep` on host lists."""
-    if size >= len(scores):
-        return list(range(len(frontier)))
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    rank = [0] * len(scores)
-    for r, i in enumerate(order):
-        rank[i] = r
-    ranks = [rank[f] for f in frontier]
-    best = ranks.index(min(ranks))
-    return [j for j, r in enumerate(ranks) if r < size or j == best]
+def host_list(values: torch.Tensor | list) -> list:
+    """Values as a host list: a CPU drafter's lists pass as they are, a tensor is read (a host sync
+    on a GPU). Where the cost-aware policy and its acceptance map take a drafter's scores and verdicts."""
+    return values if isinstance(values, list) else values.tolist()

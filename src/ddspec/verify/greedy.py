@@ -1,6 +1,6 @@
 """Greedy verification (temperature 0) and the verdict every verifier returns.
 
-Glossary (DESIGN.md §1): **accepted** nodes are drafted tokens the target agrees with in
+Glossary (docs/design.md §1): **accepted** nodes are drafted tokens the target agrees with in
 this step; the **bonus** token is the target's own next token after the last accepted node
 and becomes the next root. A step emits ``accepted + 1`` tokens.
 

@@ -1,0 +1,233 @@
+"""Weights as ddspec's CPU kernels read them, and the matmuls over them.
+
+:class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 / bf16
+when those hold it exactly), or the GGUF blocks of a Q4_1 / Q8_0 weight (models/gguf_blocks.py),
+multiplied with fp32 or 8-bit activations; it is packed into the kernels' layout (groups of 16
+outputs) on first use. :func:`concat` stacks weights (q|k|v, gate|up) and :func:`gemm_sweep`
+runs several matmuls in one C call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ddspec.native.lib import CWeight, library
+
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6}
+HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+class NativeWeight:
+    """One weight as the kernels read it, packed in groups of 16 outputs (see ddspec_kernels.c).
+
+    Built from the row layout: kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8
+    [out, in/32, 16] (GGUF nibbles: byte j holds elements j and j + 16 of the block), ``d``/``m``
+    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]. Kinds
+    ``q4_1a8`` / ``q8_0a8`` hold the same blocks, multiplied with 8-bit activations (see
+    :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
+    taking subsets of outputs.
+    """
+
+    def __init__(self, kind: str, out: int, inp: int, *, w=None, qs=None, d=None, m=None, bias=None) -> None:
+        self.kind, self.out_features, self.in_features = kind, out, inp
+        self.rows = (w, qs, d, m)
+        self.bias = None if bias is None else bias.float().contiguous()
+        if inp % 32 and kind not in ("f32", *HALVES):
+            raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
+        self._packed: tuple | None = None
+        self._struct: CWeight | None = None
+
+    # packed on first use: a weight that is only stacked into another (q, k, v) is never packed
+    @property
+    def packed(self) -> tuple:
+        """w, qs, d, m in the group layout."""
+        if self._packed is None:
+            self._packed = _pack(self.kind, self.out_features, self.in_features, *self.rows)
+        return self._packed
+
+    @property
+    def struct(self) -> CWeight:
+        if self._struct is None:
+            self._struct = CWeight(KINDS[self.kind], self.out_features, self.in_features,
+                                   *(ptr(t) for t in self.packed), ptr(self.bias))
+        return self._struct
+
+    @classmethod
+    def dense(cls, w_oi: torch.Tensor, bias: torch.Tensor | None = None) -> "NativeWeight":
+        """A dense weight, stored as fp16 or bf16 when that holds every value exactly (a head or
+        model shipped in half precision: half the bytes to read, the same maths), else fp32."""
+        w = w_oi.detach().float()
+        return cls(exact_kind(w), w.shape[0], w.shape[1], w=w, bias=bias)
+
+    @classmethod
+    def q8_0(cls, w_oi: torch.Tensor) -> "NativeWeight":
+        """``w_oi`` [out, in] quantised to GGUF's Q8_0 (per block of 32 inputs: d = max|w| / 127 in
+        fp16, q = round(w / d)): a quarter of fp32's bytes, an approximation of the weight (for a
+        draft head, whose output only proposes tokens the target then verifies)."""
+        blocks = _blocks_of(w_oi)
+        d = (blocks.abs().amax(dim=-1) / 127).to(torch.float16).float()  # [out, nb]
+        q = (blocks * _reciprocal(d).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        return cls("q8_0", *w_oi.shape, qs=q, d=d)
+
+    @classmethod
+    def q4_1(cls, w_oi: torch.Tensor) -> "NativeWeight":
+        """``w_oi`` [out, in] quantised to GGUF's Q4_1 (per block of 32 inputs: m = min w and
+        d = (max w - m) / 15, both fp16, q = round((w - m) / d) in 0..15): an eighth of fp32's
+        bytes and a coarser approximation than :meth:`q8_0` (for a draft head)."""
+        blocks = _blocks_of(w_oi)
+        m = blocks.amin(dim=-1).to(torch.float16).float()  # [out, nb]
+        d = ((blocks.amax(dim=-1) - m) / 15).to(torch.float16).float()
+        q = ((blocks - m.unsqueeze(-1)) * _reciprocal(d).unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        qs = q[..., :16] | (q[..., 16:] << 4)  # GGUF's nibbles: byte j holds elements j and j + 16
+        return cls("q4_1", *w_oi.shape, qs=qs.contiguous(), d=d, m=m)
+
+    def with_int8_activations(self) -> "NativeWeight":
+        """This Q4_1 / Q8_0 weight multiplying activations rounded to 8 bits per block of 32
+        (kinds ``q4_1a8`` / ``q8_0a8``; see ddspec_kernels.c); other kinds unchanged."""
+        kind = {"q4_1": "q4_1a8", "q8_0": "q8_0a8"}.get(self.kind)
+        if kind is None:
+            return self
+        w, qs, d, m = self.rows
+        return NativeWeight(kind, self.out_features, self.in_features, w=w, qs=qs, d=d, m=m, bias=self.bias)
+
+    def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
+        if bias is None:
+            return self
+        w, qs, d, m = self.rows
+        return NativeWeight(self.kind, self.out_features, self.in_features, w=w, qs=qs, d=d, m=m, bias=bias)
+
+    def select(self, rows: torch.Tensor) -> "NativeWeight":
+        """The weight of a subset of outputs (e.g. a draft vocabulary's rows of an lm_head)."""
+        pick = [None if t is None else t[rows] for t in self.rows]
+        return NativeWeight(self.kind, rows.numel(), self.in_features, w=pick[0], qs=pick[1], d=pick[2], m=pick[3])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] (fp32) @ W^T -> [..., out]."""
+        return self._gemm(x, None)
+
+    def with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ W^T, the first index of each row's maximum as numpy's argmax gives it): the argmax taken
+        by each thread over its half of the outputs inside the matmul's parallel region, while they
+        are still in its caches (an lm_head's greedy choice; 0.1 ms a token read afterwards)."""
+        best = torch.empty(x.shape[:-1], dtype=torch.int64)
+        return self._gemm(x, best), best
+
+    def _gemm(self, x: torch.Tensor, best: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        rc = library().dd_gemm(ctypes.byref(self.struct), x2.data_ptr(), x2.shape[0], y.data_ptr(),
+                               torch.get_num_threads(), None if best is None else best.data_ptr())
+        if rc:
+            raise ValueError(f"dd_gemm refused a {self.kind} weight of shape [{self.out_features}, {self.in_features}]")
+        return y.view(*lead, self.out_features)
+
+
+def gemm_sweep(weights: list[NativeWeight], x: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ W^T for each weight in turn, in one C call and one parallel region (dd_gemm_sweep):
+    the matmuls alone, without a call per matmul; returns the last one's output [n, out]. The same
+    weight listed k times times its arithmetic with the weight in the caches; k different weights
+    stream them as a forward does. Every weight must take ``in`` inputs."""
+    lib = library()
+    if lib is None:
+        raise ValueError("the native kernels are not built here")
+    if not weights or any(w.in_features != x.shape[-1] for w in weights):
+        raise ValueError(f"gemm_sweep: every weight must take {x.shape[-1]} inputs")
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = torch.empty(x2.shape[0], max(w.out_features for w in weights), dtype=torch.float32)
+    structs = [w.struct for w in weights]
+    ptrs = (ctypes.POINTER(CWeight) * len(structs))(*(ctypes.pointer(s) for s in structs))
+    if lib.dd_gemm_sweep(ctypes.addressof(ptrs), len(structs), x2.data_ptr(), x2.shape[0], y.data_ptr(),
+                         torch.get_num_threads()):
+        raise ValueError("dd_gemm_sweep refused a quantised weight whose input width is not a multiple of 32")
+    n, out = x2.shape[0], weights[-1].out_features
+    return y.view(-1)[:n * out].view(n, out)  # each matmul writes its rows out wide
+
+
+def _blocks_of(w_oi: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> fp32 [out, in / 32, 32]: GGUF's blocks of 32 inputs."""
+    return w_oi.detach().float().reshape(w_oi.shape[0], w_oi.shape[1] // 32, 32)
+
+
+def _reciprocal(d: torch.Tensor) -> torch.Tensor:
+    """1 / d, and 0 where a block's scale is 0 (an all-equal block: every level 0)."""
+    return torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+
+
+GROUP = 16
+
+
+def _half(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A block format's fp32 scales or minimums as fp16, the kernels' layout: GGUF stores them in
+    fp16 (and NativeWeight.q4_1 / q8_0 round them so), so this keeps every value."""
+    half = t.to(torch.float16)
+    if not torch.equal(half.float(), t.float()):
+        raise ValueError(f"block {what} that fp16 cannot hold exactly: the kernels keep them in fp16, as GGUF does")
+    return half
+
+
+def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
+    """Row layout -> the kernels' group layout (outputs padded to a multiple of 16 with zeros)."""
+    groups = -(-out // GROUP)
+    pad = groups * GROUP - out
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [G, ..., 16]
+        t = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))]) if pad else t
+        t = t.reshape(groups, GROUP, *t.shape[1:])
+        return t.movedim(1, -1).contiguous()
+
+    if kind == "f32":
+        return grouped(w.float()), None, None, None
+    if kind in HALVES:
+        return grouped(w.to(HALVES[kind])), None, None, None
+    nb = inp // 32
+    if kind == "q4_1a8":  # per quad of 4 inputs: byte 4o + j = q(o, 4i + j) | q(o + 8, 4i + j) << 4
+        q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16]
+        q = q.reshape(groups, nb, 8, 4, GROUP)  # [G, block, quad, j, output]
+        levels = (q[..., :8] | (q[..., 8:] << 4)).permute(0, 1, 2, 4, 3).reshape(groups, nb, 256)
+        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]
+    elif kind == "q4_1":
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
+        q = grouped(q)  # [G, in, 16] values 0..15
+        levels = (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)  # byte j: output j (low), j + 8 (high)
+        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]  # [G, nb, 16]
+    elif kind == "q8_0a8":  # per quad of 4 inputs: outputs 0-7 then 8-15, byte 4o + j = q(o, 4i + j)
+        q = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8)  # [G, in, 16]
+        q = q.reshape(groups, nb, 8, 4, 2, 8)  # [G, block, quad, j, half, output]
+        levels = q.permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 512)
+        head = [grouped(_half(d, "scales").reshape(out, nb))]
+    else:
+        levels = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8).reshape(groups, nb, 512)
+        head = [grouped(_half(d, "scales").reshape(out, nb))]
+    # one contiguous block per (group, 32 inputs): fp16 scales (and minimums), then the levels
+    blocks = torch.cat([h.contiguous().view(torch.uint8) for h in head] + [levels], dim=-1).contiguous()
+    return None, blocks, None, None
+
+
+def exact_kind(w: torch.Tensor) -> str:
+    """``f16`` or ``bf16`` when that format holds every value of the fp32 tensor ``w`` exactly, else ``f32``."""
+    for kind, dtype in HALVES.items():
+        if torch.equal(w.to(dtype).float(), w):
+            return kind
+    return "f32"
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """The address of a tensor's data for a C struct (None: a null pointer)."""
+    return None if t is None else t.data_ptr()
+
+
+def concat(weights: list[NativeWeight]) -> NativeWeight:
+    """Weights of one kind and input width stacked along the outputs (q|k|v, gate|up)."""
+    kind, inp = weights[0].kind, weights[0].in_features
+    if any(w.kind != kind or w.in_features != inp for w in weights):
+        raise ValueError("only weights of one kind and input width can be stacked")
+    parts = [torch.cat([w.rows[i] for w in weights]) if weights[0].rows[i] is not None else None
+             for i in range(4)]
+    return NativeWeight(kind, sum(w.out_features for w in weights), inp, w=parts[0], qs=parts[1], d=parts[2], m=parts[3])
