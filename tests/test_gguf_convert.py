@@ -120,6 +120,7 @@ Q = gguf.GGMLQuantizationType
 @pytest.mark.parametrize("types", [
     {"embd": Q.Q8_0, "attn": Q.Q4_1, "ffn": Q.Q4_1, "norm": Q.F32},  # the default model's mix
     {"embd": Q.F16, "attn": Q.Q4_0, "ffn": Q.Q8_0, "norm": Q.F32, "output": Q.Q4_0},  # untied lm_head
+    {"embd": Q.Q8_0, "attn": Q.Q5_0, "ffn": Q.Q5_1, "norm": Q.F32},  # a small model's "Q4_K_M" mix: Q5_0 rows
 ])
 def test_tiny_gguf_converts_as_transformers_does(tmp_path, types):
     path = tmp_path / "tiny.gguf"
@@ -141,10 +142,10 @@ def test_what_it_does_not_cover_is_left_to_transformers(tmp_path):
             gguf_convert.convert(path, tmp_path)
 
 
-def test_bf16_and_q4_0_dequantise_as_gguf_py_does():
+def test_every_block_type_dequantises_as_gguf_py_does():
     rng = np.random.default_rng(1)
     x = rng.normal(0, 1, (6, 64)).astype(np.float32)
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.BF16, Q.F16):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16, Q.F16):
         raw = gguf.quantize(x, qtype)
         ref = gguf.dequantize(raw, qtype).reshape(6, 64)
         ours = gguf_convert.dequantize_tensor(int(qtype), [64, 6], np.ascontiguousarray(raw).view(np.uint8).reshape(-1))

@@ -24,13 +24,13 @@ def gguf_blocks(kind: str, w: np.ndarray):
     """w [rows, cols] fp32 quantised by gguf-py: (NativeWeight of its blocks, gguf-py's fp32 dequantisation)."""
     import gguf
 
-    from ddspec.models.gguf_blocks import _split, dequantize
+    from ddspec.models.gguf_blocks import dequantize, native_blocks
 
     qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
     rows, cols = w.shape
     raw = gguf.quantize(w, qtype)  # [rows, bytes]
     reference = gguf.dequantize(raw, qtype).reshape(rows, cols)
-    qs, d, m = _split(kind, raw, rows)
+    _, qs, d, m = native_blocks(int(qtype), raw, rows)
     assert np.array_equal(dequantize(kind, qs, d, m), reference)  # our formula is gguf-py's
     weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(np.ascontiguousarray(qs)),
                                  d=torch.from_numpy(d.astype(np.float32)),
@@ -146,8 +146,8 @@ def test_gguf_blocks_are_matched_to_their_weights_and_a_mismatch_is_refused(tmp_
     writer.close()
 
     found = quantised_tensors(tmp_path / "m.gguf")
-    assert {k: v[0] for k, v in found.items()} == {"blk.0.attn_q.weight": "q4_1", "blk.0.ffn_up.weight": "q4_1",
-                                                   "token_embd.weight": "q8_0"}
+    assert {k: v[0] for k, v in found.items()} == {"blk.0.attn_q.weight": 3, "blk.0.ffn_up.weight": 3,
+                                                   "token_embd.weight": 8}
     assert np.array_equal(found["blk.0.ffn_up.weight"][1], raws["blk.0.ffn_up.weight"])
 
     deq = {k: torch.from_numpy(gguf.dequantize(r, t).reshape(-1, 64).copy()) for k, r, t in [
@@ -200,7 +200,7 @@ def test_remembered_row_orders_are_checked_and_a_wrong_one_is_matched_again(tmp_
     wrong = perm.numpy().copy()
     wrong[[0, 79]] = wrong[[79, 0]]  # two rows swapped (the first and last are always sampled)
     np.savez(orders, **{name: wrong})
-    assert not gguf_blocks._rows_match("q4_1", *gguf_blocks._split("q4_1", raw, 80), wrong, dense[name].numpy())
+    assert not gguf_blocks._rows_match(*gguf_blocks.native_blocks(3, raw, 80), wrong, dense[name].numpy())
     fixed = gguf_blocks.native_weights(tmp_path / "m.gguf", dense, orders)
     assert matched == [1] and torch.equal(fixed[name](torch.eye(64)), deq[perm].t())
     orders.write_bytes(b"not a npz file")

@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
     g.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts of each file")
     g.add_argument("--max-turns", type=int, default=None, metavar="T",
                    help="answer only the first T turns of multi-turn prompts (default: all turns)")
+    g.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary the llama.cpp arm runs (default: $DDSPEC_LLAMA_SERVER, else "
+                        "llama-server on the PATH, else llama-cpp-python's Python loop, which understates "
+                        "llama.cpp; see docs/benchmarks.md)")
     g.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="timed runs of each generation; the median wall time is reported (default 1)")
     g.add_argument("--out", default=None, metavar="DIR",
@@ -168,7 +172,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_torch(args)
     target = target_from_args(args)
     arms = build_arms(methods, target, args.head, tree, sampling, partial(_hf_model, args, target), args.model,
-                      args.threads)
+                      args.threads, args.llama_server)
     meta = _meta(args, parser, methods, target)
     # 3. The run; records.jsonl grows one flushed line per finished generation.
     log = RecordLog(out, settings, args.resume)

@@ -6,9 +6,10 @@ Arms (one per method name):
   benchmarked without touching this file;
 - Hugging Face ``generate`` on the same weights: ``hf`` (plain greedy / sampling) and
   ``hf-lookup`` (assisted generation with prompt lookup), see :data:`HF_ARMS`;
-- ``llama.cpp``: the CPU peer, llama-cpp-python decoding the same GGUF (its quantised weights,
-  so its outputs are not expected to equal ours) with the same prompt ids, greedy. Optional: the
-  arm is skipped with a message when llama-cpp-python is missing or the model is not a GGUF.
+- ``llama.cpp``: the CPU peer decoding the same GGUF (its quantised weights and rounding, so its
+  outputs are not expected to equal ours) with the same prompt ids, greedy: llama.cpp's own
+  ``llama-server`` when one is found (:mod:`ddspec.bench.llama_server`), else llama-cpp-python.
+  Optional: the arm is skipped with a message when neither is there or the model is not a GGUF.
 
 Fairness rules (docs/design.md §3): one warm-up generation per arm before timing; for each
 (prompt, turn) every repeat runs every arm, in an order shuffled from one round to the next
@@ -215,19 +216,30 @@ def llama_cpp_trial(gguf: Path, threads: int, timeout: float = 300.0) -> str | N
     return f"llama.cpp's trial decode of {gguf.name} in a child process {how}: this build of it does not run here{amx}{fix}"
 
 
-def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int) -> LlamaCppArm | str:
-    """The llama.cpp arm, or why it cannot run here (a one-line reason)."""
+def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int,
+                  llama_server: str | None = None) -> Arm | str:
+    """The llama.cpp arm, or why it cannot run here (a one-line reason): llama.cpp's own server
+    binary when one is found (:mod:`ddspec.bench.llama_server`), else llama-cpp-python."""
     import importlib.util
+    import sys
 
+    from ddspec.bench.llama_server import LlamaServerArm, find_server
     from ddspec.models.loading import DEFAULT_MODEL, default_gguf_path
 
-    if importlib.util.find_spec("llama_cpp") is None:
-        return f"llama-cpp-python is not installed (optional: {LLAMA_CPP_BUILD}, about 10 minutes to build)"
     if not sampling.greedy:
         return "the llama.cpp arm decodes greedily only (--temperature 0)"
     gguf = default_gguf_path() if model_spec == DEFAULT_MODEL else Path(model_spec)
     if gguf.suffix != ".gguf" or not gguf.is_file():
         return f"the llama.cpp arm needs a GGUF model (--model default or a .gguf file), not {model_spec}"
+    server = find_server(llama_server)
+    if server is not None:
+        print(f"[ddspec] the {LLAMA_CPP} arm runs {server} (its own timings: prefill + decoding)", file=sys.stderr)
+        return LlamaServerArm(server, gguf, target.info.eos_token_ids, target.info.max_position, threads)
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("no llama-server binary (--llama-server PATH, see docs/benchmarks.md) and llama-cpp-python is not "
+                f"installed (optional: {LLAMA_CPP_BUILD}, about 10 minutes to build)")
+    print(f"[ddspec] the {LLAMA_CPP} arm runs through llama-cpp-python's Python loop, which understates llama.cpp "
+          "(give --llama-server PATH to measure its own server)", file=sys.stderr)
     failed = llama_cpp_trial(gguf, threads)
     if failed:
         return failed
@@ -235,7 +247,8 @@ def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: in
 
 
 def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConfig, sampling: SamplingConfig,
-               load_hf_model, model_spec: str = "default", threads: int = 1) -> dict[str, Arm]:
+               load_hf_model, model_spec: str = "default", threads: int = 1,
+               llama_server: str | None = None) -> dict[str, Arm]:
     """One arm per method name; ``load_hf_model()`` is called (once) only if an HF arm is asked for.
     An arm that cannot run here (llama.cpp without llama-cpp-python) is left out with a message."""
     import sys
@@ -248,7 +261,7 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
     head = None  # loaded once, shared by every tree method
     for m in methods:
         if m == LLAMA_CPP:
-            arm = llama_cpp_arm(target, model_spec, sampling, threads)
+            arm = llama_cpp_arm(target, model_spec, sampling, threads, llama_server)
             if isinstance(arm, str):
                 print(f"[ddspec] skipping the {LLAMA_CPP} arm: {arm}", file=sys.stderr)
             else:

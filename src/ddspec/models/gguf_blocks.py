@@ -13,6 +13,7 @@ that does not match exactly is simply not offered to the quantised kernel.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sys
@@ -42,13 +43,47 @@ def hf_name(gguf_name: str) -> str | None:
     return _TOP_NAMES.get(gguf_name)
 
 
-def _split(kind: str, raw: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
-    """raw [rows, bytes] -> (qs, d, m) arrays per block; m is None for q8_0."""
-    if kind == "q4_1":
+# GGML tensor type -> the native kind its blocks are read into, exactly: Q4_1 and Q8_0 as they are;
+# Q4_0 (d * (q - 8)) as Q4_1 with minimum -8d, and Q5_0 (d * (q - 16), 5-bit q) as Q8_0 with levels
+# q - 16: the same fp16 scale, the same values (products of an fp16 scale and a small integer are
+# exact in fp32), so the kernels compute with exactly the fp32 weights the file dequantises to
+NATIVE_SOURCES = {3: "q4_1", 8: "q8_0", 2: "q4_1", 6: "q8_0"}
+GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+
+
+def ggml_name(ttype: int) -> str:
+    return GGML_NAMES.get(ttype, f"type {ttype}")
+
+
+def _fp16(b: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of each block ``b[..., bytes]``."""
+    return b[..., at:at + 2].copy().view(np.float16)[..., 0]
+
+
+def native_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray | None]:
+    """raw [rows, bytes] of a GGML type in NATIVE_SOURCES -> (native kind, qs, d, m) per block of 32
+    inputs; m is None for q8_0 (follows ggml's block layouts, ggml-common.h)."""
+    kind = NATIVE_SOURCES[ttype]
+    if ttype == 3:  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (low: elements 0-15, high: 16-31)
         b = raw.reshape(rows, -1, 20)
-        return b[..., 4:], b[..., 0:2].copy().view(np.float16)[..., 0], b[..., 2:4].copy().view(np.float16)[..., 0]
-    b = raw.reshape(rows, -1, 34)
-    return b[..., 2:].copy().view(np.int8), b[..., 0:2].copy().view(np.float16)[..., 0], None
+        return kind, b[..., 4:], _fp16(b, 0), _fp16(b, 2)
+    if ttype == 8:  # Q8_0: fp16 d, 32 int8
+        b = raw.reshape(rows, -1, 34)
+        return kind, b[..., 2:].copy().view(np.int8), _fp16(b, 0), None
+    if ttype == 2:  # Q4_0: fp16 d, nibbles as Q4_1's
+        b = raw.reshape(rows, -1, 18)
+        d = _fp16(b, 0)
+        m = d * np.float16(-8)
+        if not np.isfinite(m).all():
+            raise ValueError("a Q4_0 scale too large for fp16 once times 8")
+        return kind, b[..., 2:], d, m
+    # Q5_0: fp16 d, 32 high bits (bit j: element j), 16 bytes of low nibbles as Q4_0's
+    b = raw.reshape(rows, -1, 22)
+    high = b[..., 2:6].copy().view(np.uint32)  # [rows, blocks, 1]
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
+    low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)
+    return kind, ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8), _fp16(b, 0), None
 
 
 def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
@@ -62,10 +97,18 @@ def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -
     return w.reshape(w.shape[0], -1)
 
 
+def _unsigned_zeros(a: np.ndarray) -> np.ndarray:
+    """``a`` with -0.0 as +0.0, every other value bit for bit: a Q4_0 block with a negative scale
+    dequantises its level 8 to -0.0 where the Q4_1 form it is read in gives +0.0 (a weight's sign of
+    zero changes no product's value, and no sum but an all-zero one)."""
+    return a + np.float32(0.0)
+
+
 def _row_order(deq: np.ndarray, dense: np.ndarray) -> np.ndarray | None:
-    """The permutation p with deq[p] == dense bit for bit, or None."""
+    """The permutation p with deq[p] == dense bit for bit (but for the sign of zeros), or None."""
     if deq.shape != dense.shape:
         return None
+    deq, dense = _unsigned_zeros(deq), _unsigned_zeros(dense)
     if np.array_equal(deq.view(np.uint32), dense.view(np.uint32)):
         return np.arange(deq.shape[0])
     where = {row.tobytes(): i for i, row in enumerate(deq)}
@@ -73,7 +116,6 @@ def _row_order(deq: np.ndarray, dense: np.ndarray) -> np.ndarray | None:
     return None if any(i is None for i in order) else np.asarray(order)
 
 
-_QUANTISED = {3: "q4_1", 8: "q8_0"}  # GGML tensor types the native kernel reads in blocks
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 
 
@@ -153,36 +195,44 @@ class GGUFLayout:
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-# GGML tensor type -> (elements per block, bytes per block) for the types read here
-GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 30: (1, 2)}
+
+
+@functools.cache
+def _block_sizes() -> dict[int, tuple[int, int]]:
+    """GGML tensor type -> (elements per block, bytes per block), for every type gguf-py knows."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    return {int(t): (int(per), int(size)) for t, (per, size) in GGML_QUANT_SIZES.items()}
 
 
 def tensor_bytes(ttype: int, dims: list[int]) -> int | None:
-    """Bytes of a tensor of GGML type ``ttype`` (None for types not read here)."""
-    if ttype not in GGML_BLOCKS:
+    """Bytes of a tensor of GGML type ``ttype`` (None for a type gguf-py does not know)."""
+    sizes = _block_sizes()
+    if ttype not in sizes:
         return None
-    per, size = GGML_BLOCKS[ttype]
+    per, size = sizes[ttype]
     if dims[0] % per:
         return None
     return int(np.prod(dims, dtype=np.int64)) // per * size
 
 
-def quantised_tensors(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """GGUF tensor name -> (kind, raw block bytes [rows, bytes per row]) for its Q4_1 and Q8_0
-    tensors (memory-mapped)."""
+def quantised_tensors(path: Path, layout: GGUFLayout | None = None) -> dict[str, tuple[int, np.ndarray]]:
+    """GGUF tensor name -> (GGML type, raw block bytes [rows, bytes per row], memory-mapped) for
+    every tensor whose blocks the native kernels read (NATIVE_SOURCES)."""
     out = {}
-    for name, (ttype, dims, raw) in GGUFLayout(path).tensors.items():
-        kind = _QUANTISED.get(ttype)
-        if kind is None or raw is None:
+    for name, (ttype, dims, raw) in (layout or GGUFLayout(path)).tensors.items():
+        if ttype not in NATIVE_SOURCES or raw is None:
             continue
         rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        out[name] = (kind, raw.reshape(rows, -1))
+        out[name] = (ttype, raw.reshape(rows, -1))
     return out
 
 
 def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | None = None) -> dict[str, NativeWeight]:
-    """HF name -> quantised NativeWeight for every Q4_1 / Q8_0 tensor of ``gguf`` whose
-    dequantisation equals ``dense[name]`` exactly (after a row permutation, if any).
+    """HF name -> quantised NativeWeight for every tensor of ``gguf`` in a block type the kernels
+    read (Q4_0, Q4_1, Q5_0, Q8_0) whose dequantisation equals ``dense[name]`` exactly (after a row
+    permutation, if any). Weights in other block types (the K types, Q5_1, ...) are named in one
+    notice: they run on their fp32 dequantisation.
 
     ``orders``: a file remembering each tensor's row permutation from an earlier load. A
     remembered permutation is checked on a sample of rows (bit for bit, as above) instead of
@@ -191,7 +241,9 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
     found: dict[str, np.ndarray] = {}
     out: dict[str, NativeWeight] = {}
     skipped = []
-    for gguf_name, (kind, raw) in quantised_tensors(gguf).items():
+    layout = GGUFLayout(gguf)
+    _notice_unread_types(layout, dense)
+    for gguf_name, (ttype, raw) in quantised_tensors(gguf, layout).items():
         name = hf_name(gguf_name)
         if name is None or name not in dense:
             continue
@@ -200,7 +252,7 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
         if raw.shape[0] != rows:
             skipped.append(name)
             continue
-        qs, d, m = _split(kind, raw, rows)
+        kind, qs, d, m = native_blocks(ttype, raw, rows)
         order = known.get(name)
         if order is None or order.shape != (rows,) or not _rows_match(kind, qs, d, m, order, target):
             order = _row_order(dequantize(kind, qs, d, m), target)
@@ -218,6 +270,23 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
                                or any(not np.array_equal(found[k], known[k]) for k in found)):
         _write_orders(orders, found)
     return out
+
+
+DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: the fp32 weights themselves (F16 / BF16 kept as such, see native.exact_kind)
+
+
+def _notice_unread_types(layout: GGUFLayout, dense: dict[str, torch.Tensor]) -> None:
+    """One line on stderr naming the model's weights in block types the kernels do not read yet."""
+    unread: dict[str, int] = {}
+    for gguf_name, (ttype, _, _) in layout.tensors.items():
+        if ttype in NATIVE_SOURCES or ttype in DENSE_TYPES or hf_name(gguf_name) not in dense:
+            continue
+        unread[ggml_name(ttype)] = unread.get(ggml_name(ttype), 0) + 1
+    if unread:
+        kinds = ", ".join(f"{n} {t}" for t, n in sorted(unread.items(), key=lambda x: -x[1]))
+        count = sum(unread.values())
+        print(f"ddspec: {count} weight tensor{'s' if count > 1 else ''} ({kinds}) have no native kernel yet and run "
+              "dequantised to fp32 (slower); the kernels read Q4_0, Q4_1, Q5_0, Q8_0, F16 and BF16", file=sys.stderr)
 
 
 SAMPLE_ROWS = 16
@@ -245,7 +314,7 @@ def _rows_match(kind: str, qs, d, m, order: np.ndarray, target: np.ndarray) -> b
         return False
     src = order[idx]
     deq = dequantize(kind, qs[src], d[src], None if m is None else m[src])
-    return np.array_equal(deq.view(np.uint32), target[idx].view(np.uint32))
+    return np.array_equal(_unsigned_zeros(deq).view(np.uint32), _unsigned_zeros(target[idx]).view(np.uint32))
 
 
 def _read_orders(path: Path | None) -> dict[str, np.ndarray]:

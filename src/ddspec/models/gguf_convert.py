@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddspec.models.gguf_blocks import _QUANTISED, GGUFLayout, _split, dequantize, hf_name
+from ddspec.models.gguf_blocks import NATIVE_SOURCES, GGUFLayout, dequantize, ggml_name, hf_name, native_blocks
 
 
 class NotCovered(Exception):
@@ -46,7 +46,9 @@ def hf_tensor_name(name: str) -> str:
 
 
 def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarray:
-    """fp32 array [rows..., dims[0]] by gguf-py's formulas, for F32, F16, BF16, Q4_0, Q4_1, Q8_0."""
+    """fp32 array [rows..., dims[0]] by gguf-py's formulas: F32, F16 and BF16 as they are, the block
+    types the native kernels read (Q4_0, Q4_1, Q5_0, Q8_0) through the same blocks, every other type
+    (the K types, Q5_1, ...) through gguf-py's own dequantisation."""
     shape = tuple(reversed(dims))
     if ttype == 0:
         return np.frombuffer(raw, dtype=np.float32).reshape(shape)
@@ -55,16 +57,22 @@ def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarra
     if ttype == 30:
         return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
     rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-    if ttype == 2:  # Q4_0: (q - 8) * d
+    if ttype == 2:  # Q4_0: (q - 8) * d, gguf-py's form (its level 8 under a negative scale is -0.0)
         b = raw.reshape(rows, -1, 18)
         d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
         qs = b[..., 2:]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - np.int8(8)
         return (d * q.astype(np.float32)).reshape(shape)
-    if ttype in _QUANTISED:  # Q4_1: d * q + m; Q8_0: q * d
-        kind = _QUANTISED[ttype]
-        return dequantize(kind, *_split(kind, raw, rows)).reshape(shape)
-    raise NotCovered(f"GGML tensor type {ttype}")
+    if ttype in NATIVE_SOURCES:  # Q4_1: d * q + m; Q5_0 and Q8_0: q * d
+        return dequantize(*native_blocks(ttype, raw, rows)).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        qtype = GGMLQuantizationType(ttype)
+        return np.asarray(gguf_dequantize(np.asarray(raw).reshape(rows, -1), qtype), dtype=np.float32).reshape(shape)
+    except (ValueError, NotImplementedError) as e:
+        raise NotCovered(f"GGML tensor type {ggml_name(ttype)} ({e})") from None
 
 
 def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -183,7 +191,7 @@ def convert(gguf: Path, out: Path) -> None:
     if meta.get("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.add_eos_token"):
         raise NotCovered("a tokenizer that adds BOS/EOS")
     if any(raw is None for _, _, raw in layout.tensors.values()):
-        raise NotCovered("a tensor type other than F32/F16/BF16/Q4_0/Q4_1/Q8_0")
+        raise NotCovered("a tensor type gguf-py does not know")
     cfg = _config(meta, layout.tensors, len(meta["tokenizer.ggml.tokens"]))
     tok, tok_cfg = _tokenizer(meta)
     weights = {}

@@ -1,0 +1,79 @@
+"""The llama.cpp arm on a llama-server binary: started, asked for prompt ids, timed by its own report.
+
+A stand-in server (a few lines of Python that answer as llama-server does) checks the protocol; the
+real binary is measured by `ddspec bench --llama-server PATH` (docs/benchmarks.md), outside the tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from ddspec.bench.llama_server import LlamaServerArm, find_server
+from ddspec.errors import DdspecError
+
+FAKE = r'''#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+assert args[args.index("-t") + 1] == "2" and args[args.index("-np") + 1] == "1"
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send(200, {{"status": "ok"}})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["cache_prompt"] is False and req["temperature"] == 0.0 and req["return_tokens"] is True
+        prompt = req["prompt"]
+        if prompt[0] == 7:  # stops on EOS (llama-server leaves the EOS token out of `tokens`)
+            self._send(200, {{"tokens": [5, 6], "stop_type": "eos", "timings": {{"prompt_ms": 10.0, "predicted_ms": 20.0}}}})
+        else:
+            n = req["n_predict"]
+            self._send(200, {{"tokens": list(range(100, 100 + n)), "stop_type": "limit",
+                             "timings": {{"prompt_ms": 4.0, "predicted_ms": 2.0 * n}}}})
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    path = tmp_path / "llama-server"
+    path.write_text(FAKE.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+def test_the_arm_sends_prompt_ids_and_reads_llama_cpps_own_timings(fake_server, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    arm = LlamaServerArm(fake_server, gguf, eos_ids=(2,), max_position=64, threads=2)
+    try:
+        plain = arm.generate([1, 2, 3], max_new_tokens=5)
+        assert plain.output_ids == [100, 101, 102, 103, 104] and plain.finish_reason == "length"
+        assert plain.wall_s == pytest.approx(0.014)
+        stopped = arm.generate([7, 8], max_new_tokens=5)
+        assert stopped.output_ids == [5, 6, 2] and stopped.finish_reason == "eos"  # EOS counted, as every arm does
+        assert stopped.wall_s == pytest.approx(0.030)
+        assert len(arm.generate(list(range(60)), max_new_tokens=50).output_ids) == 4  # the context window's budget
+    finally:
+        arm.close()
+    assert arm.proc.poll() is not None
+
+
+def test_a_bad_server_path_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("DDSPEC_LLAMA_SERVER", raising=False)
+    with pytest.raises(DdspecError, match="not an executable file"):
+        find_server(str(tmp_path / "nowhere"))
+    monkeypatch.setenv("DDSPEC_LLAMA_SERVER", str(tmp_path / "nowhere"))
+    with pytest.raises(DdspecError, match="DDSPEC|not an executable file"):
+        find_server()
+    monkeypatch.delenv("DDSPEC_LLAMA_SERVER")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_server() is None
+    assert os.environ["PATH"] == str(tmp_path)
