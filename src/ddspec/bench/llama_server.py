@@ -22,6 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ddspec.bench.generation import Generation
 from ddspec.errors import DdspecError
 
 SERVER_ENV = "DDSPEC_LLAMA_SERVER"
@@ -86,8 +87,6 @@ class LlamaServerArm:
             return False
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
-        from ddspec.bench.runner import Generation
-
         budget = min(max_new_tokens, self.max_position - len(prompt_ids))
         status, out = self._request("POST", "/completion", {
             "prompt": list(prompt_ids), "n_predict": budget, "temperature": 0.0, "top_k": 1, "top_p": 1.0,

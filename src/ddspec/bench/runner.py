@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ddspec.bench.generation import Generation
 from ddspec.bench.prompts import Prompt
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import DdspecError
@@ -51,7 +52,7 @@ from ddspec.methods import HEADLESS, METHODS, split_method, tree_config
 from ddspec.prompts import chat_prompt_ids
 
 if TYPE_CHECKING:  # the engine (and torch) load when a run starts, not when the CLI parser is built
-    from ddspec.engine import Engine, StepStats
+    from ddspec.engine import Engine
 
 # HF arms: name -> extra keyword arguments of `model.generate`
 HF_ARMS: dict[str, dict] = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
@@ -83,14 +84,6 @@ def parse_methods(text: str) -> list[str]:
 
 
 # -- arms ------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Generation:
-    output_ids: list[int]  # new tokens, EOS included when generation stopped on it
-    wall_s: float  # the whole call, prefill included
-    finish_reason: str  # eos | length
-    steps: list[StepStats] | None  # None: the arm does not expose its decoding steps
-
-
 class Arm(Protocol):
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation: ...
 
