@@ -77,21 +77,22 @@ def test_sampling_reproducible_with_seed(tiny_targets):
 
 
 def test_sampling_matches_manual_sampler(tiny_targets):
-    """The engine's sampling draws exactly what a hand-written sampler draws with the same generator."""
-    from ddspec.sampling import target_probs
+    """The engine's sampling draws exactly what a hand-written sampler draws with the same uniforms:
+    the token at position t takes the uniform of (seed, t)."""
+    from ddspec.sampling import PositionNoise, target_probs
 
     target = tiny_targets[("qwen2", "native")]
     cfg = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, seed=4)
     prompt = [3, 4, 5]
     res = Engine(target, sampling=cfg).generate(prompt, StopConfig(max_new_tokens=10, stop_on_eos=False))
-    gen = torch.Generator().manual_seed(4)
+    noise = PositionNoise(4)
     seq = list(prompt)
     for _ in range(10):
         target.reset(len(seq) + 1)
         logits = target.forward(torch.tensor(seq), torch.arange(len(seq))).logits[-1]
         p = target_probs(logits, cfg).double()
-        u = torch.rand(1, 1, generator=gen, dtype=torch.float64)
-        seq.append(int((torch.cumsum(p, 0) <= u[0, 0] * p.sum()).sum()))  # first index with cdf > u
+        u = noise.uniform(len(seq))
+        seq.append(int((torch.cumsum(p, 0) <= u * p.sum()).sum()))  # first index with cdf > u
     assert res.token_ids == seq[3:]
 
 
@@ -116,11 +117,11 @@ def test_target_probs_top_k_and_top_p():
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = target_probs(logits, SamplingConfig(temperature=1.0, top_k=2))
-    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
     p = target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.8))
-    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0], dtype=torch.float64))
     p = target_probs(logits, SamplingConfig(temperature=1.0, top_p=0.81))
-    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0], dtype=torch.float64) / 0.95)
 
 
 def test_incremental_text_equals_full_decode(default_native):

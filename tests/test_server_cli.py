@@ -49,6 +49,7 @@ def test_ddspec_serve_warns_off_loopback_without_a_key(tiny_dirs):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "warning: listening on 0.0.0.0 without an API key" in err
+    assert "pass --allow-host NAME" in err  # the Host allow-list is loopback names until told otherwise
     assert "Traceback" not in err
 
 
@@ -80,6 +81,12 @@ def test_user_errors_are_one_line(tiny_dirs, capsys):
     assert "needs a draft head" in capsys.readouterr().err
     assert main(["serve", "--model", model, "--method", "ddd", "--head", "/no/such/head"]) == 2
     assert "/no/such/head" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--header-timeout", "0"]) == 2
+    assert "--header-timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--max-connections", "1"]) == 2
+    assert "--max-connections must be >= 2, got 1" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--method", "vanilla", "--body-timeout", "-1"]) == 2
+    assert "--body-timeout must be > 0 seconds, got -1.0" in capsys.readouterr().err
     assert main(["bench-serve", "--model", model, "--methods", "warp"]) == 2
     assert "unknown method 'warp'" in capsys.readouterr().err
 

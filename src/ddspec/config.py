@@ -35,7 +35,7 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy; the lossless guarantee is exact-equality there
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 disables
-    seed: int | None = None  # seeds the torch.Generator used for every random draw
+    seed: int | None = None  # fixes the uniform of every position (sampling.PositionNoise); None: from the OS
 
     def __post_init__(self) -> None:
         t = _check_number("temperature (--temperature)", self.temperature)

@@ -30,7 +30,7 @@ from ddspec.config import SamplingConfig, StopConfig
 from ddspec.draft.base import Drafter
 from ddspec.errors import DdspecError
 from ddspec.models.base import TargetModel, TargetOutput
-from ddspec.sampling import make_generator, next_token
+from ddspec.sampling import PositionNoise, next_token
 from ddspec.tree import DraftTree
 from ddspec.verify import Verdict, verify_greedy, verify_sampling
 
@@ -182,16 +182,18 @@ class Engine:
         self._held_drafter: Drafter | None = None
 
     # -- helpers -------------------------------------------------------------------------
-    def _choose(self, out: TargetOutput, generator: torch.Generator) -> torch.Tensor:
-        """The first root, from the prefill's last row."""
+    def _choose(self, out: TargetOutput, noise: PositionNoise, position: int) -> torch.Tensor:
+        """The first root (the token at ``position``, the prompt's length), from the prefill's last row."""
         if self.sampling.greedy and out.argmax is not None:
             return out.argmax[-1]
-        return next_token(out.logits[-1], self.sampling, generator)
+        return next_token(out.logits[-1], self.sampling, noise.uniform(position))
 
-    def _verify(self, tree: DraftTree, out: TargetOutput, generator: torch.Generator) -> Verdict:
+    def _verify(self, tree: DraftTree, out: TargetOutput, noise: PositionNoise, position: int) -> Verdict:
+        """The verdict on a tree whose root sits at ``position``. Sampling draws each token with the
+        uniform of its position (docs/design.md §2.5): the same tokens whatever the tree."""
         if self.sampling.greedy:
             return verify_greedy(tree, out.logits, out.argmax)
-        return verify_sampling(tree, out.logits, self.sampling, generator)
+        return verify_sampling(tree, out.logits, self.sampling, noise.after(position))
 
     def _budget(self, prompt_len: int, stop: StopConfig) -> int:
         window = self.target.info.max_position
@@ -239,11 +241,15 @@ class Engine:
         self._held, self._held_root, self._held_drafter = held, root, self.drafter
 
     # -- the loop ------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False) -> Iterator[Chunk]:
+    def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False,
+               cancelled=None) -> Iterator[Chunk]:
         """Generate after ``prompt_ids``, yielding chunks; returns the RunStats (StopIteration.value).
 
         trace: attach each step's tree and accepted path to its chunk (for display; costs host syncs).
         Closing the generator between chunks stops the generation and leaves the engine ready.
+        cancelled: a callable asked between prefill chunks (a long prompt takes seconds before its
+        first chunk): when it returns True the stream ends at once, with no chunk and finish_reason
+        "cancelled", and the engine is ready for the next prompt.
         """
         clock = self.clock
         t0 = clock()
@@ -251,7 +257,7 @@ class Engine:
         if not prompt_ids:
             raise DdspecError("the prompt is empty: give at least one token of input")
         budget = self._budget(len(prompt_ids), stop)
-        generator = make_generator(self.sampling.seed, self.target.device)
+        noise = PositionNoise(self.sampling.seed)  # a position's uniform: the same in every method
         eos = set(self.target.info.eos_token_ids) if stop.stop_on_eos else set()
         text = TextAssembler(self.target.tokenizer, stop.stop_strings)
         tree_room = self.drafter.max_tree_size if self.drafter else 1
@@ -263,8 +269,11 @@ class Engine:
         #    first root, let the drafter take the prompt in.
         start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
         prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
-        out = self.target.forward(prompt, torch.arange(start, len(prompt_ids)), None, hidden_layers, last_logits=True)
-        root = self._choose(out, generator)
+        out = self._prefill(prompt, start, hidden_layers, cancelled)
+        if out is None:  # cancelled between chunks: the caches hold an unknown prefix (_restore forgot it)
+            stats.finish_reason, stats.wall_s = "cancelled", clock() - t0
+            return stats
+        root = self._choose(out, noise, len(prompt_ids))
         if self.drafter:
             self.drafter.prefill(prompt, out, root)
         stats.prefill_s = clock() - t0
@@ -284,7 +293,7 @@ class Engine:
             # 3. Verify: one target forward over the whole tree, then the acceptance rule.
             mask = tree.attention_mask() if tree.size > 1 else None
             out = self.target.forward(tree.tokens, tree.positions(position), mask, hidden_layers)
-            verdict = self._verify(tree, out, generator)
+            verdict = self._verify(tree, out, noise, position)
             # 4. Commit: keep the accepted path's KV; the drafter refreshes its own state.
             self.target.commit(verdict.path)
             if self.drafter:
@@ -317,6 +326,32 @@ class Engine:
         stats.wall_s = clock() - t0
         return stats
 
+    # rows per prefill forward: a cancellation waits at most one chunk (a fraction of a second on a
+    # CPU for a small model); chunks of this size keep the matmuls as efficient as one forward
+    prefill_chunk = 256
+
+    def _prefill(self, prompt: torch.Tensor, start: int, hidden_layers: tuple[int, ...],
+                 cancelled=None) -> TargetOutput | None:
+        """Run the prompt's uncached tokens (positions from ``start``) through the target in chunks of
+        ``prefill_chunk``, asking ``cancelled()`` before each; None when it said stop. The result is the
+        whole prompt's features and hidden states (the drafter reads every row) and the last logits."""
+        n, size = prompt.numel(), max(1, self.prefill_chunk)
+        outs: list[TargetOutput] = []
+        for a in range(0, n, size):
+            if cancelled is not None and cancelled():
+                return None
+            b = min(n, a + size)
+            outs.append(self.target.forward(prompt[a:b], torch.arange(start + a, start + b), None, hidden_layers,
+                                            last_logits=True))
+        if len(outs) == 1:
+            return outs[0]
+        last = outs[-1]
+        return TargetOutput(
+            logits=last.logits, argmax=last.argmax,
+            features=torch.cat([o.features for o in outs]),
+            hidden_states={k: torch.cat([o.hidden_states[k] for o in outs]) for k in last.hidden_states},
+        )
+
     def _learn_costs(self, step: StepStats) -> None:
         """Record the drafter's prediction of the step and hand it the step's timing (Drafter's hooks)."""
         if not self.drafter:
@@ -324,8 +359,6 @@ class Engine:
         predicted = self.drafter.prediction
         if predicted is not None:
             step.predicted_tokens, step.predicted_ms = predicted
-        if not self.sampling.greedy and self.sampling.seed is not None:
-            return  # seeded sampling stays reproducible: choices must not depend on the wall clock
         self.drafter.observe_step(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
 
     @staticmethod

@@ -65,8 +65,8 @@ class Drafter(ABC):
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         """The engine's measurement of the step just finished (after observe()): ``tokens`` emitted,
         ``tree_size`` nodes verified, and the ms of its draft phase, its verify phase (forward,
-        acceptance, commit) and the gap since the previous step outside both. Not called under
-        seeded sampling, whose output must not depend on the wall clock. Default: nothing learned."""
+        acceptance, commit) and the gap since the previous step outside both. Called under seeded
+        sampling too: its tokens do not depend on the trees (docs/design.md §2.5). Default: nothing learned."""
 
     @property
     def prediction(self) -> tuple[float, float] | None:

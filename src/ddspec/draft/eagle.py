@@ -161,11 +161,9 @@ class EagleDrafter(Drafter):
         distribution. Its logits divided by a fitted T < 1 forecast acceptance better, and the
         tree (EAGLE-2's reranking, DDD's stopping rule, the cost-aware forecasts) is grown from
         those forecasts. Sampling accepts a token with about the target's probability of it: T = 1.
-        Seeded sampling must give the same output run after run: the cost-aware policy then drops
-        what it took up from earlier runs' memory (their timings) before it decides anything."""
+        (A seeded sample needs nothing here: its tokens do not depend on the trees, docs/design.md
+        §2.5, so the cost-aware policy keeps its memory and goes on learning under a seed.)"""
         self.temperature = self.greedy_temperature if sampling.greedy else 1.0
-        if self.cost_policy is not None and not sampling.greedy and sampling.seed is not None:
-            self.cost_policy.forget_memory()
 
     @property
     def greedy_temperature(self) -> float:

@@ -5,5 +5,6 @@ protocol.py  request shapes and checks (OpenAI's errors)      worker.py  the eng
 app.py       routes, SSE, auth, the page                       metrics.py Prometheus metrics
 responses.py OpenAI response objects, usage, the page's trace
 build.py     make_service (target -> running worker), LiveServer (uvicorn in a thread)
+connections.py  uvicorn's h11 protocol with a headers deadline and a connection cap
 cli.py       ``ddspec serve`` flags                             bench.py   ``ddspec bench-serve``
 """

@@ -49,6 +49,31 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                    help="prefill every prompt from scratch (default: keep the KV of the longest common prefix "
                         "with the previous request, e.g. a chat's history)")
+    g.add_argument("--allow-host", action="append", default=None, metavar="NAME",
+                   help="a Host header name the server answers to, NAME (any port) or NAME:PORT; repeat for more, "
+                        "'*' for any (default: localhost, 127.0.0.1 and [::1] only, on any port; other names get 400, "
+                        "which stops a web page's DNS-rebinding tricks; add the names clients use when serving on "
+                        "another address)")
+    g.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a browser origin (scheme://host[:port]) whose pages may call the API, with CORS headers; "
+                        "repeat for more, '*' for any (default: none but the server's own, i.e. the chat page; "
+                        "other origins get 403)")
+    g.add_argument("--allow-special-tokens", action="store_true",
+                   help="let special tokens typed in chat messages (e.g. <|im_end|>) act as control tokens (default: "
+                        "they are tokenized as plain text, so a message cannot end its turn or forge another role's; "
+                        "a /v1/completions prompt is raw and always keeps them)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a connection has to send a request's headers, from its opening or its previous "
+                        "answer; then it is closed (default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request's whole body has to arrive; then 408 and the connection is closed "
+                        "(default 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open after an answer (default 5)")
+    g.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open connections at most; past it a new one closes the oldest connection still waiting for "
+                        "its headers, or gets 503 when all are busy, so idle sockets cannot lock out /health (default "
+                        "256; the open-files limit is raised to its hard maximum at start)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
 
@@ -81,20 +106,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise DdspecError(f"ddspec serve needs {e.name}: pip install 'ddspec[serve]' (fastapi, uvicorn, "
                           "prometheus_client)") from None
 
-    from ddspec.server.app import create_app
-    from ddspec.server.build import make_service
+    from ddspec.server.app import LOOPBACK_HOSTS, create_app
+    from ddspec.server.build import make_service, uvicorn_options
+
+    limits = uvicorn_options(args.header_timeout, args.keep_alive_timeout, args.max_connections)
+    allow_hosts = tuple(args.allow_host or LOOPBACK_HOSTS)
+    if not args.allow_host and not is_loopback(args.host):
+        print(f"ddspec serve: note: requests must name this server as {', '.join(LOOPBACK_HOSTS)} in their Host "
+              f"header; pass --allow-host NAME for each name clients use to reach {args.host} (or '*')",
+              file=sys.stderr)
 
     target = target_from_args(args)
     service = make_service(target, method=args.method, head=args.head, tree=tree, sampling=sampling,
                            max_tokens=args.max_new_tokens, api_key=args.api_key, max_queue=args.max_queue,
                            max_body_bytes=args.max_body_bytes, prefix_reuse=args.prefix_reuse,
-                           model_name=args.served_model_name)
+                           model_name=args.served_model_name, allow_hosts=allow_hosts,
+                           allow_origins=tuple(args.allow_origin or ()), body_timeout_s=args.body_timeout,
+                           special_tokens=args.allow_special_tokens)
     cfg = service.config
     print(f"ddspec serve: {cfg.model_name} ({service.worker.default_method}) on http://{args.host}:{args.port} "
           f"- chat page at /, OpenAI API at /v1" + (", API key required" if cfg.api_key else ""), file=sys.stderr)
     try:
+        from ddspec.server.connections import raise_file_limit
+
+        raise_file_limit()
         uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, **limits)
     finally:
         service.worker.stop()
     return 0

@@ -2,11 +2,14 @@
 
 What a body may hold, in order of the checks:
 
-1. JSON that is an object (else 400), of at most ``max_body_bytes`` (else 413, checked by the app).
+1. JSON that is an object (else 400), of at most ``max_body_bytes`` (else 413, checked by the app),
+   whose strings (keys included) are valid Unicode: a lone UTF-16 surrogate (``"\\ud800"``) cannot be
+   tokenized or written back, so it is a 400 that names where it is.
 2. No parameter we cannot honour: ``n`` > 1, ``logprobs``, ``top_logprobs``, tools and functions,
    a non-text ``response_format``, ``logit_bias``, penalties, ``best_of``, ``echo``, ``suffix``,
    audio: one 400 that names every one of them. Names we do not know at all also get a 400.
-3. Types and ranges (pydantic, strict: ``"0.5"`` is not a number): 422 with every bad field.
+3. Types and ranges (pydantic, strict: ``"0.5"`` is not a number): 400 with every bad field (the
+   OpenAI API answers 400 to every invalid request; its clients map 422 to another exception).
 
 Errors are :class:`ApiError`, rendered as OpenAI renders them:
 ``{"error": {"message", "type", "param", "code"}}``.
@@ -145,6 +148,33 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _surrogate_at(body) -> str:
+    """Where the first lone surrogate of a decoded body is, as ``messages.0.content`` (iterative:
+    the body may nest as deep as the JSON parser allows)."""
+    stack = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return where or "the body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _has_surrogate(k):
+                    return f"a key in {where or 'the body'}"
+                stack.append((v, f"{where}.{k}" if where else k))
+        elif isinstance(value, list):
+            stack += [(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(value)]
+    return "the body"
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw, parse_constant=_no_constant)
@@ -154,6 +184,13 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:  # one C-speed pass over every string; the slow walk only to name the place
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        where = _surrogate_at(body)
+        raise ApiError(400, f"the request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape) in "
+                            f"{where}: text must be valid Unicode; pair the surrogate or remove it",
+                       param=None if where.startswith(("a key", "the body")) else where) from None
     return body
 
 
@@ -197,7 +234,7 @@ def parse_request(kind: Literal["chat", "completion"], body: dict, defaults: Sam
         req = model_cls.model_validate(body)
     except ValidationError as e:
         message, param = _validation_message(e)
-        raise ApiError(422, message, param=param) from None
+        raise ApiError(400, message, param=param) from None
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise ApiError(400, f"max_tokens ({req.max_tokens}) and max_completion_tokens ({req.max_completion_tokens}) "

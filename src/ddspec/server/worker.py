@@ -5,10 +5,15 @@ single worker thread owns it, its tokenizer and its drafters; request handlers o
 :class:`Job`s into a bounded queue and read the job's events. Beyond the bound a request is
 refused at once (429), never queued without limit.
 
+A job is admitted before any work is done for it: the handler checks the request's fields and
+queues it; the prompt is tokenized (``Job.prepare``) here, on the worker's thread, so a long prompt
+neither holds the event loop (every endpoint, /health too) nor gets past the queue bound.
+
 A job's events reach the handler's event loop through ``call_soon_threadsafe``:
 ``("chunk", Chunk)``, then ``("done", RunStats)``, or ``("error", ApiError)``. A handler that
 loses its client calls :meth:`Job.cancel`; the worker checks it before every decoding step and
-closes the engine's stream, so the generation stops within one step and the engine is free.
+closes the engine's stream, so the generation stops within one step and the engine is free; the
+engine also asks it between prefill chunks, so a long prompt stops within one chunk.
 Drafters are built on first use of each method (a tree method loads the draft head once, and
 every drafter shares the one target), so a per-request method costs nothing until it is asked.
 """
@@ -33,13 +38,14 @@ MAX_DRAFTERS = 8  # methods whose drafters stay built
 
 @dataclass(eq=False)
 class Job:
-    prompt_ids: list[int]
-    stop: StopConfig
+    prompt_ids: list[int] | None  # None until ``prepare`` has run (on the worker's thread)
+    stop: StopConfig | None
     sampling: SamplingConfig
     method: str
     prefix_reuse: bool
     trace: bool
     loop: asyncio.AbstractEventLoop
+    prepare: object = None  # () -> (prompt_ids, StopConfig): tokenizes and checks the context; raises ApiError
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted: float = field(default_factory=time.perf_counter)
@@ -155,16 +161,22 @@ class EngineWorker:
                     self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
 
     def _generate(self, job: Job) -> None:
+        if job.prepare is not None:
+            job.prompt_ids, job.stop = job.prepare()
+            job.prepare = None
+            if job.cancelled.is_set():
+                return
         engine = self.engine
         engine.drafter = self.drafter(job.method)
         engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
-        stream = engine.stream(job.prompt_ids, job.stop, trace=job.trace)
+        stream = engine.stream(job.prompt_ids, job.stop, trace=job.trace, cancelled=job.cancelled.is_set)
         try:
             while not job.cancelled.is_set():
                 try:
                     chunk = next(stream)
                 except StopIteration as done:
-                    job.send("done", done.value)
+                    if done.value.finish_reason != "cancelled":  # else: cancelled during the prefill
+                        job.send("done", done.value)
                     return
                 if chunk.step is not None and self.on_step is not None:
                     self.on_step(chunk.step)

@@ -6,6 +6,8 @@ tree it verifies.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ddspec.config import SamplingConfig
@@ -14,14 +16,17 @@ from ddspec.verify.greedy import Verdict, verify_greedy, verify_greedy_reference
 from ddspec.verify.sampling import verify_sampling, verify_sampling_reference
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> Verdict:
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig,
+           uniform: Callable[[int], float] | None = None) -> Verdict:
     """Greedy verification at temperature 0, lossless sampling verification otherwise.
 
-    logits: [N, V] the target's output at each node of `tree`.
+    logits: [N, V] the target's output at each node of `tree`; uniform: depth -> the uniform of
+    the token after a node at that depth (sampling only; ``PositionNoise.after``).
     """
     if cfg.greedy:
         return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, cfg, generator)
+    assert uniform is not None, "sampling verification needs the positions' uniforms"
+    return verify_sampling(tree, logits, cfg, uniform)
 
 
 __all__ = [

@@ -1,99 +1,95 @@
-"""Lossless sampling verification: recursive rejection with a deterministic draft (EAGLE).
+"""Lossless sampling verification: the target's own sample at each node, matched like greedy.
 
-At the current node let p be the target distribution after the sampling transforms
-(``target_probs``). Try its children in tree order; accept child x with probability p(x);
-on rejection set p(x) = 0 and renormalise; if no child is accepted, the bonus token is drawn
-from what remains of p. Every emitted token is then distributed exactly as the target's.
+At a node at depth d the target's next token is ``sample(target_probs(logits[node]), u(d))``:
+the inverse-CDF draw of the target's distribution (after the sampling transforms) with the
+uniform of the position after that node. Walk from the root: if a child carries that token,
+accept it and go on; otherwise that token is the bonus. This is greedy verification with the
+argmax replaced by the target's sample.
 
-Randomness, fixed so that the fast and the reference verifier agree draw for draw: first one
-uniform per drafted node (``torch.rand(N - 1)``, float64, node i uses entry i - 1), then one
-``ddspec.sampling.sample`` draw for the bonus from the residual p (float32, unnormalised:
-the draw normalises). Acceptance tests run in float64. All draws come from the caller's
-``torch.Generator``, on its device.
+Why this rule (rather than recursive rejection over the children): the uniform belongs to the
+position, not to the tree (``ddspec.sampling.PositionNoise``), so every emitted token is the
+token plain decoding would have sampled at that position with the same seed, whatever tree the
+drafter proposed. Seeded output is then the same for every method and every tree size, and so
+independent of the step timings the cost-aware method sizes its trees from. It is lossless for
+any draft that does not see the uniforms: each position's token is a draw of the target's
+distribution given the prefix, with a uniform no earlier choice depended on. It also accepts
+exactly as often: with a deterministic draft, recursive rejection accepts child x with
+probability p(x) and emits its bonus from what remains of p; here the target's token is x with
+probability p(x) and otherwise another token with the same residual distribution, so the
+(accepted path, bonus) pair has the same distribution under both rules (and τ is unchanged).
+
+Randomness: ``uniform(d)``, a callable from a node's depth to a float in [0, 1); the engine
+passes ``PositionNoise.after(root position)``.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from ddspec.config import SamplingConfig
 from ddspec.sampling import sample, target_probs
 from ddspec.tree.tree import DraftTree
-from ddspec.verify.greedy import Verdict
+from ddspec.verify.greedy import Verdict, verify_greedy
 
 
 def verify_sampling(
-    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]
 ) -> Verdict:
-    """Fast verification: all probabilities at once, then a walk over host lists.
+    """Fast verification.  logits: [N, V] the target's output at each node.
 
-    logits: [N, V] the target's output at each node. Two host syncs (tree structure, then
-    the probabilities and uniforms), then one draw for the bonus.
+    On a CPU the walk computes the target's distribution only at the nodes it visits (accepted
+    + 1 rows of the vocabulary, not N). Elsewhere every node's sample is taken in one batch and
+    the walk is greedy's, one host sync.
     """
-    probs = target_probs(logits, cfg)  # [N, V] float32
-    uniforms = _uniforms(tree, generator)  # [N-1]
-    child_p = probs[tree.parents[1:], tree.tokens[1:]].double()  # [N-1] p(node's token) at its parent
-    totals = probs.double().sum(dim=-1)  # [N]
-    tokens, parents = torch.stack([tree.tokens, tree.parents]).tolist()  # host sync
-    values = torch.cat([child_p, totals, uniforms.to(totals.device)]).tolist()  # host sync
-    n = tree.size
-    p_child, total, u = values[: n - 1], values[n - 1 : 2 * n - 1], values[2 * n - 1 :]
-    children = _children(parents)
+    if logits.device.type == "cpu":
+        return _walk(tree, logits, cfg, uniform)
+    return _vectorised(tree, logits, cfg, uniform)
+
+
+def _walk(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]) -> Verdict:
+    """verify_sampling on host lists, sampling at the visited nodes alone."""
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # siblings are distinct
     path = [0]
     while True:
-        node, remaining, rejected = path[-1], total[path[-1]], []
-        for child in children[node]:
-            if _accepts(u[child - 1], p_child[child - 1], remaining):
-                path.append(child)
-                break
-            remaining -= p_child[child - 1]
-            rejected.append(tokens[child])
-        else:
-            rejected_tokens = torch.tensor(rejected, dtype=torch.int64, device=probs.device)  # [r]
-            residual = probs[node].index_fill(0, rejected_tokens, 0.0)  # [V]
-            return _verdict(path, residual, generator, logits.device)
+        node = path[-1]
+        drawn = sample(target_probs(logits[node], cfg), uniform(depths[node]))  # []
+        nxt = child.get((node, int(drawn)))
+        if nxt is None:
+            return Verdict(path=torch.tensor(path, dtype=torch.int64), bonus=drawn)
+        path.append(nxt)
+
+
+def _vectorised(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]) -> Verdict:
+    """verify_sampling as tensor ops: every node's sample in one batch, then greedy's rule."""
+    deepest = int(tree.depths.max())
+    per_depth = torch.tensor([uniform(d) for d in range(deepest + 1)], dtype=torch.float64, device=logits.device)
+    drawn = sample(target_probs(logits, cfg), per_depth[tree.depths.to(logits.device)])  # [N]
+    return verify_greedy(tree, logits, drawn)
 
 
 def verify_sampling_reference(
-    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]
 ) -> Verdict:
-    """The obvious loop, for tests: one node at a time, zeroing p(x) on each rejection."""
-    u = _uniforms(tree, generator).tolist()
-    tokens, children = tree.tokens.tolist(), _children(tree.parents.tolist())
+    """The obvious loop, for tests: at each node, the target's token by a plain scan of its
+    cumulative mass, then the children scanned for it."""
+    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     path = [0]
     while True:
-        p = target_probs(logits[path[-1]], cfg)  # [V] float32
-        for child in children[path[-1]]:
-            x = tokens[child]
-            if _accepts(u[child - 1], p[x].item(), p.double().sum().item()):
-                path.append(child)
+        p = target_probs(logits[path[-1]], cfg).tolist()
+        threshold, mass = uniform(depths[path[-1]]) * sum(p), 0.0
+        drawn = max(t for t, q in enumerate(p) if q > 0)  # when rounding leaves the threshold at the total
+        for token, q in enumerate(p):
+            mass += q
+            if q > 0 and mass > threshold:
+                drawn = token
                 break
-            p[x] = 0.0
-        else:
-            return _verdict(path, p, generator, logits.device)
-
-
-def _accepts(u: float, p_x: float, remaining: float) -> bool:
-    """Accept x with probability p(x) / (mass p has left), i.e. p(x) after renormalising."""
-    return u * remaining < p_x
-
-
-def _uniforms(tree: DraftTree, generator: torch.Generator) -> torch.Tensor:
-    """[N-1] float64 uniforms in [0, 1), one per drafted node, drawn before anything else."""
-    return torch.rand(tree.size - 1, generator=generator, device=generator.device, dtype=torch.float64)
-
-
-def _children(parents: list[int]) -> list[list[int]]:
-    """children[i]: the child nodes of node i, in tree (index) order."""
-    children: list[list[int]] = [[] for _ in parents]
-    for node, parent in enumerate(parents[1:], start=1):
-        children[parent].append(node)
-    return children
-
-
-def _verdict(
-    path: list[int], residual: torch.Tensor, generator: torch.Generator, device: torch.device
-) -> Verdict:
-    """The verdict once no child of path[-1] was accepted: draw the bonus from residual [V]."""
-    bonus = sample(residual.to(generator.device), generator).to(device)  # []
-    return Verdict(path=torch.tensor(path, dtype=torch.int64, device=device), bonus=bonus)
+        children = [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == drawn]
+        if not children:
+            return Verdict(
+                path=torch.tensor(path, dtype=torch.int64, device=logits.device),
+                bonus=torch.tensor(drawn, dtype=torch.int64, device=logits.device),
+            )
+        path.append(children[0])
