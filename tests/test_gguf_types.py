@@ -80,3 +80,41 @@ def test_q4_0_and_q5_0_weights_run_on_the_kernels_and_other_types_are_named(tmp_
         exact = torch.stack([torch.stack([(x[r].double() * dense[name][o].double()).sum() for o in range(dense[name].shape[0])])
                              for r in range(3)]).float()
         assert torch.allclose(weight(x), exact, atol=1e-5, rtol=1e-5)
+
+
+def _cli_on(path, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-m", "ddspec.cli", "generate", "hi", "--model", str(path)],
+                         capture_output=True, text=True, env={**os.environ, "DDSPEC_CACHE": str(cache)})
+    models = cache / "models"
+    return out, not models.exists() or not any(models.iterdir())
+
+
+def test_a_truncated_file_or_an_unknown_block_type_is_one_line_naming_the_tensor(tmp_path):
+    import struct
+
+    from test_gguf_convert import write_tiny_llama
+
+    whole = tmp_path / "tiny.gguf"
+    write_tiny_llama(whole, {"embd": int(T.Q8_0), "attn": int(T.Q4_0), "ffn": int(T.Q5_0), "norm": int(T.F32)})
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 4096])
+    out, clean = _cli_on(cut, tmp_path / "a")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and clean
+    assert "is truncated or its header is corrupt" in out.stderr and "tensor '" in out.stderr
+
+    name = b"blk.0.ffn_up.weight"  # its tensor info: name, n_dims (u32), dims (u64 each), type (u32), offset
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    unknown = bytearray(data)
+    struct.pack_into("<I", unknown, at + 4 + 8 * n_dims, 99)
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(unknown))
+    out, clean = _cli_on(odd, tmp_path / "b")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and clean
+    assert "tensor 'blk.0.ffn_up.weight' has GGML type 99" in out.stderr

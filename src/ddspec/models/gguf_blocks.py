@@ -188,8 +188,20 @@ class GGUFLayout:
         self.tensors: dict[str, tuple[int, list[int], np.ndarray]] = {}
         for name, dims, ttype, offset in infos:
             nbytes = tensor_bytes(ttype, dims)
+            if nbytes is not None and start + offset + nbytes > len(data):
+                raise GGUFError(f"{path}: tensor {name!r} ({ggml_name(ttype)}, {dims}) ends at byte "
+                                f"{start + offset + nbytes:,} but the file has {len(data):,}: the file is truncated "
+                                "or its header is corrupt; download it again")
             raw = data[start + offset:start + offset + nbytes] if nbytes is not None else None
             self.tensors[name] = (ttype, dims, raw)
+
+    def unknown_types(self) -> dict[str, int]:
+        """Tensor name -> GGML type for the tensors whose type gguf-py does not know (no bytes read)."""
+        return {name: ttype for name, (ttype, _, raw) in self.tensors.items() if raw is None}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read as its header says (truncated, corrupt, an unknown block type)."""
 
 
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddspec.models.gguf_blocks import NATIVE_SOURCES, GGUFLayout, dequantize, ggml_name, hf_name, native_blocks
+from ddspec.models.gguf_blocks import NATIVE_SOURCES, GGUFError, GGUFLayout, dequantize, ggml_name, hf_name, native_blocks
 
 
 class NotCovered(Exception):
@@ -190,8 +190,12 @@ def convert(gguf: Path, out: Path) -> None:
         raise NotCovered(f"tokenizer {meta.get('tokenizer.ggml.model')!r}/{meta.get('tokenizer.ggml.pre')!r}")
     if meta.get("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.add_eos_token"):
         raise NotCovered("a tokenizer that adds BOS/EOS")
-    if any(raw is None for _, _, raw in layout.tensors.values()):
-        raise NotCovered("a tensor type gguf-py does not know")
+    unknown = layout.unknown_types()
+    if unknown:
+        name, ttype = next(iter(unknown.items()))
+        raise GGUFError(f"{gguf}: tensor {name!r} has GGML type {ttype}, which neither ddspec nor gguf-py knows "
+                        f"({len(unknown)} such tensor{'s' if len(unknown) > 1 else ''}): a newer or damaged file; "
+                        "re-quantize it to a common type (e.g. llama-quantize ... Q8_0)")
     cfg = _config(meta, layout.tensors, len(meta["tokenizer.ggml.tokens"]))
     tok, tok_cfg = _tokenizer(meta)
     weights = {}

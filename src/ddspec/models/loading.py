@@ -77,6 +77,10 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the converter is reported the same way
         shutil.rmtree(tmp, ignore_errors=True)
+        from ddspec.models.gguf_blocks import GGUFError
+
+        if isinstance(e, GGUFError):
+            raise ModelLoadError(f"cannot read GGUF file {e}") from e
         raise ModelLoadError(f"could not convert GGUF file {gguf}: {type(e).__name__}: {e}") from e
     return out_dir
 
