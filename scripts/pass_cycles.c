@@ -1,7 +1,8 @@
 /* How many cycles the 8-bit-activation Q4_1 matmul pass spends per row and group-block (16 outputs x
  * 32 inputs), with its weights and activations in L1, on one thread; and how many of them are the
  * integer dot products alone. Built and run by scripts/pass_cycles.py with the flags of ddspec's own
- * build; it includes ddspec_kernels.c itself, so the pass timed is the one the model runs.
+ * build; it includes the kernels' Q4_1 file (native/kernels/q4_1.c, ddspec.native.SOURCE) itself, so the
+ * pass timed is the one the model runs.
  *
  *   pass:       the kernel's pass as it is (levels widened, dot products, GGUF block end)
  *   sums only:  the same loop without the block end (each block's integer sums folded into a
@@ -11,6 +12,15 @@
  * 8-lane one over 4 rows. Output: the pass timed, the time-stamp counter's rate, then one line per
  * repetition, "pass <cycles> sums <cycles>" in counter cycles per row and group-block. */
 #include DD_SOURCE
+/* what q4_1.c's matmuls read that the library defines elsewhere (gemm.c): unused here, where the
+ * passes are called directly, but linked */
+DD_HIDDEN __thread dd_span *dd_spans;
+DD_HIDDEN __thread dd_bar *dd_bars;
+DD_HIDDEN int dd_span_delay_us = 0;
+DD_HIDDEN int64_t dd_groups_taken = 0;
+DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
+DD_HIDDEN int dd_prefetch_blocks = 0;
+DD_HIDDEN int dd_share_rows = 3;
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>

@@ -1,4 +1,4 @@
-"""ddspec's C kernels (native/ddspec_kernels.c): GGUF blocks rebuild exactly the fp32 weights,
+"""ddspec's C kernels (native/kernels/): GGUF blocks rebuild exactly the fp32 weights,
 matmul rows do not depend on the other rows of a call, the fused decoder layer is the torch
 layer's maths, and every method stays lossless with them."""
 

@@ -1,7 +1,7 @@
 """Where a target forward's time goes, phase by phase: ``python -m ddspec.bench.phases``.
 
 The forward over N new tokens on the native kernels is one C call for all the decoder layers (see
-native/ddspec_kernels.c). This tool loads a profiling build of those kernels (compiled once and
+native/kernels/attention.inc). This tool loads a profiling build of those kernels (compiled once and
 cached beside the normal one, with ``-DDD_PROFILE``: thread 0 reads the CPU's time-stamp counter
 at the barrier that ends each phase of each layer) and times forwards over N tokens after a
 prefix as ``make bench`` times its forward curve (bench.target.forward_times: the sizes

@@ -3,7 +3,7 @@
 The default model ships as a Q4_1 GGUF; ddspec's fp32 model *is* its dequantisation (gguf-py's
 formulas, done once when the GGUF is converted). So a kernel that reads the 4.5-bit blocks
 and rebuilds each weight with the same formula computes with exactly the fp32 model's weights
-while reading a seventh of the bytes (native/ddspec_kernels.c).
+while reading a seventh of the bytes (native/kernels/).
 
 Nothing is assumed about how the converter renamed or reordered things: each GGUF tensor is
 dequantised here and compared, bit for bit, with the fp32 weight it should become (HF's GGUF

@@ -336,7 +336,7 @@ class LlamaWeights:
         """gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
         then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes).
         activations: ``fp32``, or ``int8``: those blocks multiply activations rounded to 8 bits per
-        block of 32 (as llama.cpp does; native/ddspec_kernels.c, DD_Q4_1_A8): faster, most at
+        block of 32 (as llama.cpp does; native/kernels/q4_1.c): faster, most at
         several rows, and a slightly different model (plain and speculative decoding share it); its
         KV cache holds fp16 (see :func:`kv_cache_dtype`). name: the model's, for messages."""
         device = torch.device(device)
@@ -533,7 +533,7 @@ class NativeLlama:
                         last_logits: bool) -> TargetOutput:
         """A long causal forward (a prompt) as forwards of PREFILL_CHUNK tokens, each attending to the
         cache the ones before wrote: the same bits as one forward (every row is computed alone, see
-        native/ddspec_kernels.c), without the one forward's [tokens x heads x keys] score matrix,
+        native/kernels/attention.inc), without the one forward's [tokens x heads x keys] score matrix,
         which outgrows the caches (measured: a 2,000-token prompt 2.56 -> 1.59 s, int8, Intel Xeon
         family 6 model 167). Afterwards the cache holds all of them as the last forward's entries."""
         n = tokens.shape[-1]

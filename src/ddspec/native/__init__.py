@@ -1,4 +1,4 @@
-"""ddspec's own CPU kernels (ddspec_kernels.c), compiled on first use and called through ctypes.
+"""ddspec's own CPU kernels (native/kernels/), compiled on first use and called through ctypes.
 
 Where they cannot be had (not x86-64 with AVX2/FMA/F16C, no C compiler, ``DDSPEC_NATIVE=0``)
 :func:`library` is None and callers use torch's kernels, so nothing depends on them. The parts:

@@ -1,8 +1,8 @@
-"""Compiling ddspec's CPU kernels (ddspec_kernels.c): the compiler flags for this CPU, the build itself,
+"""Compiling ddspec's CPU kernels (native/kernels/*.c): the compiler flags for this CPU, the build itself,
 and where built kernels live.
 
-The build is plain C (no torch headers), -O3, in three parts compiled in parallel and linked: about
-15 s on two cores, 20 s of one core as a single unit. Where the CPU has them it adds VNNI
+The build is plain C (no torch headers), -O3, one object per source file, compiled in parallel and
+linked: about 12 s on two cores, 22 s of CPU. Where the CPU has them it adds VNNI
 (:func:`vnni_flags`) and AVX-512 (:func:`wide_flags`; which AVX-512 passes run is measured per
 machine, native/tuning.py): the same results, other instructions. Each build is named by
 :func:`build_id` (the sources, compiler and flags) and cached in ``<cache root>/native/``;
@@ -28,19 +28,25 @@ from pathlib import Path
 from ddspec.fileio import place_file, write_json_atomic
 from ddspec.machine import cache_root, cpu_flags
 
-SOURCE = Path(__file__).with_name("ddspec_kernels.c")
-# what the build reads: the source and the attention passes it includes twice (fp32 and fp16 caches)
-SOURCES = (SOURCE, SOURCE.with_name("ddspec_attention.inc"))
+KERNELS = Path(__file__).with_name("kernels")
+# what the build reads: the units, the headers they share and the attention passes attention.c
+# includes twice (fp32 and fp16 caches); all of them name the build (build_id)
+SOURCES = tuple(sorted(p for p in KERNELS.glob("*") if p.suffix in (".c", ".h", ".inc")))
+# the file with the Q4_1 passes, fp32 and 8-bit activations (scripts/pass_cycles.c includes it)
+SOURCE = KERNELS / "q4_1.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fno-math-errno",
          # hot loops on 64-byte boundaries: the same source measured 6-12% apart at 4-8 rows
          # depending on where its loops happened to land (AMD EPYC, interleaved A/B)
          "-falign-functions=64", "-falign-loops=64",
          "-fPIC"]
-# the source's parts (DD_PARTS bit masks, see ddspec_kernels.c), compiled in parallel: Q4_1 and
-# the layers; Q8_0 and fp32; fp16 and bf16. Measured on 2 cores (AMD EPYC): 14.8 s wall, 26.7 s
-# of CPU; one unit 18.5 s; six parts 17.0 s wall, 32.2 s of CPU (each part parses the headers
-# and loses cross-function optimisation); two parts 15.0 s wall, 23.6 s of CPU
-PARTS = (1 << 1 | 1 << 6, 1 << 2 | 1 << 3, 1 << 4 | 1 << 5)
+# the files compiled, one compiler run and one object each, all started at once (the longest first).
+# Measured on 2 cores (AMD EPYC, AVX-512 flags), one file at a time: q4_1 7.6 s, q8_0 7.2, half 3.4,
+# f32 1.8, attention 1.4, layers, gemm and misc 0.3-0.4 each: 22 s of CPU, as for the single file
+# these came from compiled in three parts (23 s of CPU). Wall time on 2 cores (AMD EPYC, other load
+# about 2.5): 11.8-12.1 s, the three parts of that single file 11.0-11.4 s: each file's run parses
+# the intrinsics headers again (about 0.2 s of CPU), whichever runs compile the files (two runs each
+# compiling its files in turn took the same wall time as eight, under heavier load)
+UNITS = ("q4_1.c", "q8_0.c", "half.c", "f32.c", "attention.c", "layers.c", "gemm.c", "misc.c")
 
 # (the CPU flags needed, the compiler flags): VEX-encoded 256-bit AVX-VNNI (Zen 5, Alder Lake, Sapphire
 # Rapids), else AVX-512 VNNI on 256-bit registers (Ice Lake, Zen 4)
@@ -50,7 +56,7 @@ _vnni: list[str] | None = None
 
 
 def vnni_flags() -> list[str]:
-    """The compiler flags that let the 8-bit-activation kernels use vpdpbusd (ddspec_kernels.c,
+    """The compiler flags that let the 8-bit-activation kernels use vpdpbusd (kernels/a8.h,
     DD_VNNI): where this CPU has AVX-VNNI or AVX-512 VNNI and the compiler takes the flag; none
     with ``DDSPEC_VNNI=0``. The results are the same bits either way (exact integer sums)."""
     global _vnni
@@ -125,7 +131,7 @@ def build_flags() -> list[str]:
     return FLAGS + vnni_flags() + wide_flags() + (["-DDD_PROFILE"] if profiling() else [])
 
 
-# AVX-512 passes for the quantised kinds with fp32 activations (ddspec_kernels.c, DD_WIDE) and, with
+# AVX-512 passes for the quantised kinds with fp32 activations (kernels/quant.h, DD_WIDE) and, with
 # AVX-512 VNNI, with 8-bit activations (DD_WIDE_A8); the rest of the code stays on 256-bit vectors
 # (-mprefer-vector-width=256: no change to what gcc vectorises by itself)
 # (with GFNI and AVX-512BW too: the 16-lane passes widen Q4_1 levels by one affine byte map, GF2P8AFFINEQB,
@@ -160,7 +166,7 @@ def wide_flags() -> list[str]:
 
 
 class Build:
-    """The compiler runs writing ``out``: one per part of the source (PARTS), started at once
+    """The compiler runs writing ``out``: one per source file (UNITS), started at once
     without waiting, then a link through a temporary file renamed into place only when it
     succeeds. The -O3 build takes about 15 s on two cores, so native/lib.py's ``start_build`` runs
     it while the caller does other work (converting the model, loading weights) and ``library``
@@ -174,12 +180,12 @@ class Build:
         _remove_stale(out.parent)
         fd, self.tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
         os.close(fd)
-        self.objects = [f"{self.tmp[:-len('.so.tmp')]}-{mask}.o.so.tmp" for mask in PARTS]
+        self.objects = [f"{self.tmp[:-len('.so.tmp')]}-{name[:-2]}.o.so.tmp" for name in UNITS]
         self.out, self.compiler, self.started = out, compiler, time.monotonic()
         self.procs = []
         atexit.register(self.abandon)
-        for mask, obj in zip(PARTS, self.objects):
-            self.procs.append(subprocess.Popen([compiler, *build_flags(), f"-DDD_PARTS={mask}", "-c", str(SOURCE), "-o", obj],
+        for name, obj in zip(UNITS, self.objects):
+            self.procs.append(subprocess.Popen([compiler, *build_flags(), "-c", str(KERNELS / name), "-o", obj],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
 
     def wait(self, announce: bool = True) -> None:
@@ -270,7 +276,7 @@ def prebuild() -> Path | None:
 def build_id() -> str:
     """Names this source built with this compiler and flags (kernel choices are cached per build)."""
     compiler = c_compiler() or "cc"
-    recipe = " ".join([compiler, *build_flags(), "parts", *map(str, PARTS)])
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    recipe = " ".join([compiler, *build_flags(), "units", *UNITS])
+    sources = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES)
     return hashlib.sha256(sources + recipe.encode()).hexdigest()[:16]
 

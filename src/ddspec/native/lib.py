@@ -20,7 +20,7 @@ _pending: Build | None = None  # the build start_build began, which library() wa
 
 
 class CWeight(ctypes.Structure):
-    """One weight in the kernels' layout (dd_weight in ddspec_kernels.c)."""
+    """One weight in the kernels' layout (dd_weight in native/kernels/common.h)."""
 
     _fields_ = [("kind", ctypes.c_int64), ("out", ctypes.c_int64), ("inp", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
@@ -28,7 +28,7 @@ class CWeight(ctypes.Structure):
 
 
 class CLayer(ctypes.Structure):
-    """One decoder layer's sizes, norms and weights (dd_layer in ddspec_kernels.c)."""
+    """One decoder layer's sizes, norms and weights (dd_layer in native/kernels/common.h)."""
 
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),

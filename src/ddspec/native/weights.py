@@ -20,7 +20,7 @@ HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class NativeWeight:
-    """One weight as the kernels read it, packed in groups of 16 outputs (see ddspec_kernels.c).
+    """One weight as the kernels read it, packed in groups of 16 outputs (see native/kernels/).
 
     Built from the row layout: kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8
     [out, in/32, 16] (GGUF nibbles: byte j holds elements j and j + 16 of the block), ``d``/``m``
@@ -85,7 +85,7 @@ class NativeWeight:
 
     def with_int8_activations(self) -> "NativeWeight":
         """This Q4_1 / Q8_0 weight multiplying activations rounded to 8 bits per block of 32
-        (kinds ``q4_1a8`` / ``q8_0a8``; see ddspec_kernels.c); other kinds unchanged."""
+        (kinds ``q4_1a8`` / ``q8_0a8``; see native/kernels/); other kinds unchanged."""
         kind = {"q4_1": "q4_1a8", "q8_0": "q8_0a8"}.get(self.kind)
         if kind is None:
             return self

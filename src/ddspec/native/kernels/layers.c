@@ -1,0 +1,225 @@
+/* Whole decoder layers in one call (dd_layers_forward): norms, q/k/v, RoPE and the cache, attention,
+ * o, post norm, gate/up, SiLU, down, in one parallel region with dd_sync between the phases. */
+#include "common.h"
+
+/* out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row. The sum of squares stays one scalar
+ * chain in order of i: four 8-lane chains measured 0.97-0.99x the forward's time over 2-8 tokens
+ * (int8, Intel Xeon family 6 model 207), but another order is another model, whose greedy
+ * answers diverge from these within a few dozen tokens (58 of 60 benchmark answers, 2026-12-05),
+ * and the shipped n-gram table holds exactly this model's answers. */
+static void rms_norm_row(const float *x, const float *w, int64_t h, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+/* x <- x*cos + rotate_half(x)*sin over one head vector of D values (torch's formula, unfused). */
+static void rope(float *x, const float *cos_p, const float *sin_p, int64_t dim) {
+    const int64_t half = dim / 2;
+    float tmp[512];
+    memcpy(tmp, x, (size_t)dim * sizeof(float));
+    for (int64_t i = 0; i < half; i++) x[i] = tmp[i] * cos_p[i] + (-tmp[i + half]) * sin_p[i];
+    for (int64_t i = half; i < dim; i++) x[i] = tmp[i] * cos_p[i] + tmp[i - half] * sin_p[i];
+}
+
+/* dst[0..D) <- src rounded to the nearest fp16 (ties to even), the same bits in every lane and in
+ * the scalar tail. */
+static void to_half(uint16_t *dst, const float *src, int64_t D) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        _mm_storeu_si128((__m128i *)(dst + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    for (; d < D; d++) dst[d] = _cvtss_sh(src[d], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* A profiling build (-DDD_PROFILE, `python -m ddspec.bench.phases`) counts the cycles of each phase
+ * of a decoder layer on thread 0, between the barriers that end them (so a phase's count includes
+ * its wait for the slowest thread), summed over layers and calls until dd_phases() reads them. The
+ * default build compiles PHASE to nothing. */
+enum { DD_PHASES = 9 }; /* norm, q/k/v, RoPE and cache, attention, o, post norm, gate/up, SiLU, down */
+#ifdef DD_PROFILE
+#include <x86intrin.h>
+static double dd_phase_cycles[DD_PHASES];
+static uint64_t dd_phase_mark;
+#define PHASE_START() do { if (omp_get_thread_num() == 0) dd_phase_mark = __rdtsc(); } while (0)
+#define PHASE(k) do { if (omp_get_thread_num() == 0) { const uint64_t now_ = __rdtsc(); \
+        dd_phase_cycles[k] += (double)(now_ - dd_phase_mark); dd_phase_mark = now_; } } while (0)
+/* Copies the phases' cycle counts into out[0 .. DD_PHASES) and zeroes them; returns DD_PHASES. */
+int dd_phases(double *out) {
+    for (int i = 0; i < DD_PHASES; i++) out[i] = dd_phase_cycles[i], dd_phase_cycles[i] = 0.0;
+    return DD_PHASES;
+}
+/* The time-stamp counter, to convert the counts to seconds. */
+uint64_t dd_cycles(void) {
+    return __rdtsc();
+}
+#else
+#define PHASE_START() ((void)0)
+#define PHASE(k) ((void)0)
+#endif
+
+static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
+    const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
+    return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
+}
+
+/* 0 when layer L can run n new tokens after `start` cached ones (tmax slots), else 1 (a size out
+ * of range) or 3 (it reads extra inputs and none were given). */
+static int layer_check(const dd_layer *L, int64_t n, int64_t tmax, int64_t start, const float *extra) {
+    const int64_t H = L->hidden, D = L->head_dim, E = L->extra;
+    const int64_t wqkv = (L->heads + 2 * L->kv_heads) * D;
+    if (D > 512 || start + n > tmax || L->qkv.out != wqkv || L->qkv.in != E + H || L->gate_up.out != 2 * L->inter) return 1;
+    if (E > 0 && !extra) return 3;
+    return 0;
+}
+
+/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden], run by every
+ * thread of the enclosing parallel region (dd_layers_forward's; layer_check passed), which ends
+ * at a barrier. k/v caches: [kv_heads, tmax, head_dim] for this layer, fp32, or fp16 with kv_half
+ * (each new key and value rounded to the nearest fp16 as it is written, before any row attends to
+ * it); the new keys and values are written at slots [start, start + n). mask: [n, start + n] (1 =
+ * attend) or NULL to attend to all of them. cos/sin: [max_position, head_dim]. buf: the scratch
+ * (layer_scratch floats), shared by the threads. */
+static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                              const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
+                              const uint8_t *mask, int causal, const float *extra, float *buf, int kv_half) {
+    const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
+    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
+    float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
+    float *scores_all = act + n * I;
+    const float scale = 1.0f / sqrtf((float)D);
+    PHASE_START();
+    /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) {
+        float *hi = h + i * (H + E);
+        if (E) memcpy(hi, extra + i * E, sizeof(float) * (size_t)E);
+        if (L->in_norm) rms_norm_row(x + i * H, L->in_norm, H, L->eps, hi + E);
+        else memcpy(hi + E, x + i * H, sizeof(float) * (size_t)H);
+    }
+    dd_sync();
+    PHASE(0);
+    dd_matmul(&L->qkv, h, n, qkv, wqkv, 0);
+    PHASE(1);
+    /* 2. RoPE on q and k; keys and values into the cache */
+#pragma omp for schedule(static) nowait
+    for (int64_t j = 0; j < n * (nh + nkv); j++) {
+        const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
+        float *v = qkv + i * wqkv + head * D;
+        rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
+        if (head >= nh) {
+            const int64_t g = head - nh;
+            const float *val = qkv + i * wqkv + nq + nk + g * D;
+            const int64_t slot = (g * tmax + start + i) * D;
+            if (kv_half) {
+                to_half((uint16_t *)kc + slot, v, D);
+                to_half((uint16_t *)vc + slot, val, D);
+            } else {
+                memcpy((float *)kc + slot, v, sizeof(float) * (size_t)D);
+                memcpy((float *)vc + slot, val, sizeof(float) * (size_t)D);
+            }
+        }
+    }
+    dd_sync();
+    PHASE(2);
+    /* 3. attention: one token's rows alone; several tokens share each kv head's reads (dd_attention) */
+    dd_attention(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal, kv_half);
+    PHASE(3);
+    /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
+    dd_matmul(&L->o, attn, n, x, H, 1);
+    PHASE(4);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
+    dd_sync();
+    PHASE(5);
+    dd_matmul(&L->gate_up, h, n, gu, 2 * I, 0);
+    PHASE(6);
+    /* in units of 256 columns, so that one token's row is shared too (each column alone, and
+     * the same columns take the 8-lane path as with whole rows: the same bits) */
+    const int64_t chunks = (I + 255) / 256;
+#pragma omp for schedule(static) nowait
+    for (int64_t unit = 0; unit < n * chunks; unit++) {
+        const int64_t i = unit / chunks, c0 = unit % chunks * 256, c1 = c0 + 256 < I ? c0 + 256 : I;
+        const float *g = gu + i * 2 * I, *u = g + I;
+        float *a = act + i * I;
+        int64_t c = c0;
+        for (; c + 8 <= c1; c += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + c);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                  _mm256_loadu_ps(u + c)));
+        }
+        for (; c < c1; c++) a[c] = (g[c] / (1.0f + exp1(-g[c]))) * u[c];
+    }
+    dd_sync();
+    PHASE(7);
+    dd_matmul(&L->down, act, n, x, H, 1);
+    PHASE(8);
+}
+
+/* Whether mask [n, start + n] is the causal one: row i sees keys [0, start + i] and no other (a
+ * prompt's, a chain's; the attention then skips the hidden keys, see attention_shared). */
+static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
+    if (!mask) return 0;
+    const int64_t T = start + n;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = mask + i * T, *hidden = memchr(row, 0, (size_t)T);
+        if ((hidden ? hidden - row : T) != start + i + 1) return 0;
+        if (hidden && memchr(hidden, 1, (size_t)(T - (start + i + 1)))) return 0;
+    }
+    return 1;
+}
+
+/* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each, all in one
+ * parallel region: opening one took about 1.4 us per layer), layer i using the cache at
+ * kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per
+ * forward instead of one per layer; every layer is checked (layer_check) before any runs; extra:
+ * [n, extra] for the layers that read one (NULL when none does); capture: NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
+ * layer i (the residual streams a draft head reads); final_norm: NULL, or the weights [H] of an
+ * RMSNorm (epsilon final_eps) applied to each row of x after the last layer, in place (a model's
+ * final norm here rather than as a torch op afterwards: after a forward streamed the weights
+ * through the caches, a first torch op measured 30-60 us instead of 4-13). Returns 0, or the
+ * first nonzero code with the failing layer's index * 8 added. */
+int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
+                      const float *cos_t, const float *sin_t, void *kc, void *vc, int64_t layer_stride,
+                      int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra,
+                      float *const *capture, const float *final_norm, float final_eps, int kv_half) {
+    int64_t size = 0; /* one scratch buffer for all the layers */
+    for (int64_t i = 0; i < count; i++) {
+        const int rc = layer_check(layers + i, n, tmax, start, extra);
+        if (rc) return rc + 8 * (int)i;
+        const int64_t need = layer_scratch(layers + i, n, start + n);
+        size = need > size ? need : size;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(size + 1));
+    if (!buf) return 2;
+    const int causal = is_causal(mask, n, start);
+    dd_span spans[DD_MAX_SPANS] = {{0}};
+    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
+#pragma omp parallel num_threads(nthreads)
+    {
+        team_enter(spans, team_bar);
+        for (int64_t i = 0; i < count; i++) {
+            /* x is only read until the layer's o matmul, after the q/k/v matmul's barrier, which
+             * this thread crosses after the copy */
+            if (capture && capture[i] && omp_get_thread_num() == 0)
+                memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
+            const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
+            layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start, mask,
+                              causal, extra, buf, kv_half);
+        }
+        team_leave();
+    }
+    free(buf);
+    if (final_norm && count > 0) {
+        const int64_t H = layers[0].hidden;
+        float *row = malloc(sizeof(float) * (size_t)H);
+        if (!row) return 2;
+        for (int64_t i = 0; i < n; i++) {
+            rms_norm_row(x + i * H, final_norm, H, final_eps, row);
+            memcpy(x + i * H, row, sizeof(float) * (size_t)H);
+        }
+        free(row);
+    }
+    return 0;
+}
