@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi", reason="ddspec serve needs the 'serve' extra (fastapi, uvicorn, prometheus_client)")
 
 from ddspec.cli import main  # noqa: E402
-from ddspec.server.build import free_port  # noqa: E402
+from ddspec.machine import free_port  # noqa: E402
 from ddspec.server.cli import is_loopback  # noqa: E402
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 import time
 from pathlib import Path
 
@@ -142,3 +143,10 @@ def interleaved_medians(options, run, reps: int, setup=None) -> dict:
             if r:
                 times[o].append(time.perf_counter() - t0)
     return {o: statistics.median(v) for o, v in times.items()}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for a server this process starts: ddspec's, llama.cpp's)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -17,13 +17,13 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from ddspec.bench.generation import Generation
 from ddspec.errors import DdspecError
+from ddspec.machine import free_port
 
 SERVER_ENV = "DDSPEC_LLAMA_SERVER"
 
@@ -41,19 +41,13 @@ def find_server(explicit: str | None = None) -> Path | None:
     return Path(found) if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServerArm:
     """One llama-server process with one slot; ``generate`` sends prompt ids and returns llama.cpp's ids."""
 
     def __init__(self, binary: Path, gguf: Path, eos_ids: tuple[int, ...], max_position: int, threads: int,
                  start_timeout: float = 120.0) -> None:
         self.eos_ids, self.max_position = set(eos_ids), max_position
-        self.port = _free_port()
+        self.port = free_port()
         ctx = min(max_position, 8192)
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",

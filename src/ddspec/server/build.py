@@ -8,13 +8,13 @@ thread on a free loopback port, for tests and the benchmark.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 from ddspec.config import SamplingConfig, TreeConfig
 from ddspec.engine import Engine
 from ddspec.errors import DdspecError
+from ddspec.machine import free_port
 from ddspec.methods import HEADLESS, METHODS, default_method, shipped_head, split_method
 from ddspec.server.app import LOOPBACK_HOSTS, ServerConfig, Service, create_app
 from ddspec.server.connections import protocol_class
@@ -67,12 +67,6 @@ def uvicorn_options(header_timeout_s: float = 10.0, keep_alive_s: float = 5.0, m
     if max_connections < 2:
         raise DdspecError(f"--max-connections must be >= 2, got {max_connections}")
     return {"http": protocol_class(header_timeout_s, max_connections), "timeout_keep_alive": keep_alive_s}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

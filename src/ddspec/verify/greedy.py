@@ -12,11 +12,14 @@ the bonus. Siblings carry distinct tokens (a DraftTree invariant), so the walk i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
 from ddspec.sampling import argmax
 from ddspec.tree.tree import DraftTree
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,26 +65,43 @@ def _vectorised(tree: DraftTree, target: torch.Tensor) -> Verdict:
     return Verdict(path=path, bonus=target[last])
 
 
-def _walk(tree: DraftTree, target: torch.Tensor) -> Verdict:
-    """verify_greedy on host lists: from the root, step to the child carrying the target's token."""
-    best, tokens, parents = target.tolist(), tree.tokens.tolist(), tree.parents.tolist()
+def walk(tree: DraftTree, token_at: Callable[[int], T]) -> tuple[list[int], T]:
+    """From the root, step to the child carrying ``token_at(node)`` (the target's token there:
+    its argmax, or its sample) until no child does, on host lists. Returns the path of node
+    indices and the target's token at its last node (the bonus)."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # siblings are distinct
     path = [0]
-    while (nxt := child.get((path[-1], best[path[-1]]))) is not None:
+    while True:
+        token = token_at(path[-1])
+        nxt = child.get((path[-1], int(token)))
+        if nxt is None:
+            return path, token
         path.append(nxt)
+
+
+def _walk(tree: DraftTree, target: torch.Tensor) -> Verdict:
+    """verify_greedy on host lists."""
+    path, _ = walk(tree, target.tolist().__getitem__)
     return Verdict(path=torch.tensor(path, dtype=torch.int64), bonus=target[path[-1]])
+
+
+def walk_reference(tree: DraftTree, token_at: Callable[[int], int], device: torch.device) -> Verdict:
+    """The obvious loop, for tests: walk down from the root while a child carries ``token_at(node)``,
+    scanning every node for the children."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    path = [0]
+    while True:
+        token = token_at(path[-1])
+        children = [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == token]
+        if not children:
+            return Verdict(
+                path=torch.tensor(path, dtype=torch.int64, device=device),
+                bonus=torch.tensor(token, dtype=torch.int64, device=device),
+            )
+        path.append(children[0])
 
 
 def verify_greedy_reference(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """The obvious loop, for tests: walk down from the root while a child is the argmax."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    path = [0]
-    while True:
-        best = int(logits[path[-1]].argmax())
-        children = [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == best]
-        if not children:
-            return Verdict(
-                path=torch.tensor(path, dtype=torch.int64, device=logits.device),
-                bonus=torch.tensor(best, dtype=torch.int64, device=logits.device),
-            )
-        path.append(children[0])
+    return walk_reference(tree, lambda node: int(logits[node].argmax()), logits.device)

@@ -31,7 +31,7 @@ import torch
 from ddspec.config import SamplingConfig
 from ddspec.sampling import sample, target_probs
 from ddspec.tree.tree import DraftTree
-from ddspec.verify.greedy import Verdict, verify_greedy
+from ddspec.verify.greedy import Verdict, verify_greedy, walk, walk_reference
 
 
 def verify_sampling(
@@ -50,16 +50,9 @@ def verify_sampling(
 
 def _walk(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]) -> Verdict:
     """verify_sampling on host lists, sampling at the visited nodes alone."""
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}  # siblings are distinct
-    path = [0]
-    while True:
-        node = path[-1]
-        drawn = sample(target_probs(logits[node], cfg), uniform(depths[node]))  # []
-        nxt = child.get((node, int(drawn)))
-        if nxt is None:
-            return Verdict(path=torch.tensor(path, dtype=torch.int64), bonus=drawn)
-        path.append(nxt)
+    depths = tree.depths.tolist()
+    path, drawn = walk(tree, lambda node: sample(target_probs(logits[node], cfg), uniform(depths[node])))
+    return Verdict(path=torch.tensor(path, dtype=torch.int64), bonus=drawn)
 
 
 def _vectorised(tree: DraftTree, logits: torch.Tensor, cfg: SamplingConfig, uniform: Callable[[int], float]) -> Verdict:
@@ -75,21 +68,15 @@ def verify_sampling_reference(
 ) -> Verdict:
     """The obvious loop, for tests: at each node, the target's token by a plain scan of its
     cumulative mass, then the children scanned for it."""
-    tokens, parents, depths = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
-    path = [0]
-    while True:
-        p = target_probs(logits[path[-1]], cfg).tolist()
-        threshold, mass = uniform(depths[path[-1]]) * sum(p), 0.0
-        drawn = max(t for t, q in enumerate(p) if q > 0)  # when rounding leaves the threshold at the total
+    depths = tree.depths.tolist()
+
+    def drawn(node: int) -> int:
+        p = target_probs(logits[node], cfg).tolist()
+        threshold, mass = uniform(depths[node]) * sum(p), 0.0
         for token, q in enumerate(p):
             mass += q
             if q > 0 and mass > threshold:
-                drawn = token
-                break
-        children = [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == drawn]
-        if not children:
-            return Verdict(
-                path=torch.tensor(path, dtype=torch.int64, device=logits.device),
-                bonus=torch.tensor(drawn, dtype=torch.int64, device=logits.device),
-            )
-        path.append(children[0])
+                return token
+        return max(t for t, q in enumerate(p) if q > 0)  # when rounding leaves the threshold at the total
+
+    return walk_reference(tree, drawn, logits.device)
