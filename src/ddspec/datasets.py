@@ -47,13 +47,14 @@ def resolve_prompt_sources(specs: list[str] | None) -> list[str] | None:
         return specs
     paths: list[str] = []
     for spec in specs:
-        if Path(spec).exists() or not all(is_set_name(p) for p in spec.split(",") if p.strip()):
-            if not Path(spec).exists():
-                raise DdspecError(f"--prompts {spec!r}: no such file, and not a shipped prompt set "
-                                  f"({', '.join(EVAL_SETS)}; comma-separated for several)")
+        names = [n for n in spec.split(",") if n.strip()]
+        if Path(spec).exists():
             paths.append(spec)
+        elif all(is_set_name(n) for n in names):
+            paths += [str(eval_set(n)) for n in names]
         else:
-            paths += [str(eval_set(p)) for p in spec.split(",") if p.strip()]
+            raise DdspecError(f"--prompts {spec!r}: no such file, and not a shipped prompt set "
+                              f"({', '.join(EVAL_SETS)}; comma-separated for several)")
     return paths
 
 
