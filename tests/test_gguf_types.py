@@ -1,5 +1,6 @@
 """GGUF block types beyond the shipped Q4_1 / Q8_0: Q4_0 and Q5_0 read exactly into the kernels'
-blocks, every other type dequantised by gguf-py's formulas and named in a notice."""
+blocks (the K types: test_k_quants.py), every other type dequantised by gguf-py's formulas and
+named in a notice."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype (default float32; bf16/fp16 are very slow on CPUs "
                         "without native support)")
     g.add_argument("--activations", default="fp32", choices=("fp32", "int8"),
-                   help="int8: the GGUF model's Q4_1 / Q8_0 weights multiply activations rounded to 8 bits per "
+                   help="int8: the GGUF model's block weights (Q4_0 .. Q8_0, Q3_K .. Q6_K) multiply activations rounded to 8 bits per "
                         "block of 32, as llama.cpp does: faster (most when verifying several tokens) and a "
                         "slightly different model, which plain and speculative decoding then share (outputs "
                         "still identical between methods). Native CPU kernels only. Default: fp32")

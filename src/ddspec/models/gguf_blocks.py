@@ -47,7 +47,11 @@ def hf_name(gguf_name: str) -> str | None:
 # Q4_0 (d * (q - 8)) as Q4_1 with minimum -8d, and Q5_0 (d * (q - 16), 5-bit q) as Q8_0 with levels
 # q - 16: the same fp16 scale, the same values (products of an fp16 scale and a small integer are
 # exact in fp32), so the kernels compute with exactly the fp32 weights the file dequantises to
-NATIVE_SOURCES = {3: "q4_1", 8: "q8_0", 2: "q4_1", 6: "q8_0"}
+# The K types keep their integers: Q4_K as q4_k (4-bit levels, a scale and a minimum per 32 inputs),
+# Q5_K, Q6_K and Q3_K as q6_k (8-bit levels, a scale per 16 inputs, a minimum per 32), under each
+# super-block's d and dmin: w = fl(d * sc) * q - fl(dmin * m), gguf-py's formula, both products exact
+NATIVE_SOURCES = {3: "q4_1", 8: "q8_0", 2: "q4_1", 6: "q8_0", 12: "q4_k", 13: "q6_k", 14: "q6_k", 11: "q6_k"}
+K_SOURCES = (11, 12, 13, 14)
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
 
@@ -63,8 +67,11 @@ def _fp16(b: np.ndarray, at: int) -> np.ndarray:
 
 def native_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[str, np.ndarray, np.ndarray, np.ndarray | None]:
     """raw [rows, bytes] of a GGML type in NATIVE_SOURCES -> (native kind, qs, d, m) per block of 32
-    inputs; m is None for q8_0 (follows ggml's block layouts, ggml-common.h)."""
+    inputs; m is None for q8_0 (follows ggml's block layouts, ggml-common.h); the K types in the
+    K kinds' row layout (see native.NativeWeight and :func:`k_blocks`)."""
     kind = NATIVE_SOURCES[ttype]
+    if ttype in K_SOURCES:
+        return (kind, *k_blocks(ttype, raw, rows))
     if ttype == 3:  # Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (low: elements 0-15, high: 16-31)
         b = raw.reshape(rows, -1, 20)
         return kind, b[..., 4:], _fp16(b, 0), _fp16(b, 2)
@@ -86,8 +93,67 @@ def native_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[str, np.ndarr
     return kind, ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8), _fp16(b, 0), None
 
 
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums per super-block -> (sc, m) [..., 8] uint8:
+    bytes 0-3 hold sc 0-3 (low 6 bits) and the top 2 bits of sc 4-7, bytes 4-7 m 0-3 and the top bits
+    of m 4-7, bytes 8-11 the low 4 bits of sc 4-7 (low nibble) and m 4-7 (high nibble)."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def k_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A K-type tensor (Q3_K, Q4_K, Q5_K, Q6_K; ggml-common.h's block_qN_K) -> (levels int8 [rows, in]
+    in input order, d float32 [rows, in/256, 2] (each super-block's d and dmin), m int8 [rows, in/32, 3]
+    (per block of 32 inputs the scales of inputs 0-15 and 16-31 and the minimum)): the weight is
+    fl(d * sc) * q - fl(dmin * m), as gguf-py dequantises it."""
+    size = {11: 110, 12: 144, 13: 176, 14: 210}[ttype]
+    b = raw.reshape(rows, -1, size)
+    n = b.shape[1]  # super-blocks per row
+
+    def halves(v):  # fp16 field at bytes [at, at + 2) -> float32 [rows, n]
+        return v.copy().view(np.float16)[..., 0].astype(np.float32)
+
+    if ttype in (12, 13):  # d, dmin, 12 bytes of scales, (Q5_K: 32 bytes of 5th bits), 128 bytes of nibbles
+        d, dmin = halves(b[..., 0:2]), halves(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])  # [rows, n, 8]: per 32 inputs
+        qs = b[..., -128:].reshape(rows, n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(rows, n, 8, 32)  # 32 bytes give inputs 64i + l (low) and 64i + 32 + l (high)
+        if ttype == 13:
+            qh = b[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1) << 4)
+        levels = q.astype(np.int8)
+        scales = np.repeat(sc, 2, axis=-1)  # [rows, n, 16]: per 16 inputs
+    else:
+        if ttype == 14:  # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d
+            ql = b[..., 0:128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+            qh = b[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+            q = ((ql & 0x0F).reshape(rows, n, 8, 32) | ((qh & 3).reshape(rows, n, 8, 32) << 4)).astype(np.int8) - 32
+            scales, d = b[..., 192:208].view(np.int8), halves(b[..., 208:210])
+        else:  # Q3_K: 32 bytes of high-bit masks, 64 of 2-bit levels, 12 of 6-bit scales, d
+            ql = b[..., 32:96].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+            qh = b[..., 0:32].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = (ql & 3).reshape(rows, n, 8, 32).astype(np.int8) - (((qh & 1) ^ 1) << 2).astype(np.int8)
+            lo = b[..., 96:104].reshape(rows, n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            hi = b[..., 104:108].reshape(rows, n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+            scales = ((lo.reshape(rows, n, 16) & 0x0F) | ((hi.reshape(rows, n, 16) & 3) << 4)).astype(np.int8) - 32
+            d = halves(b[..., 108:110])
+        levels, dmin, mn = q.astype(np.int8), np.zeros_like(d), np.zeros((rows, n, 8), dtype=np.uint8)
+    m = np.stack([scales[..., 0::2], scales[..., 1::2], mn], axis=-1).astype(np.int8)  # [rows, n, 8, 3]
+    return levels.reshape(rows, -1), np.stack([d, dmin], axis=-1), m.reshape(rows, n * 8, 3)
+
+
 def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """fp32 weights [rows, in] by gguf-py's formulas (Q4_1: d*q + m; Q8_0: q*d), unfused."""
+    """fp32 weights [rows, in] by gguf-py's formulas (Q4_1: d*q + m; Q8_0: q*d; the K kinds
+    fl(d * sc) * q - fl(dmin * m)), unfused."""
+    if kind in ("q4_k", "q6_k"):
+        rows, nb = qs.shape[0], qs.shape[1] // 32
+        sup = np.repeat(d.astype(np.float32), 8, axis=1)  # [rows, nb, 2]: each block's d, dmin
+        scale = sup[..., :1] * m[..., :2].astype(np.float32)  # [rows, nb, 2]: per 16 inputs
+        minimum = sup[..., 1] * m[..., 2].astype(np.uint8).astype(np.float32)  # [rows, nb]
+        w = scale[..., None] * qs.reshape(rows, nb, 2, 16).astype(np.float32) - minimum[..., None, None]
+        return w.reshape(rows, -1)
     d32 = d.astype(np.float32)[..., None]
     if kind == "q4_1":
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # elements 0-15, 16-31
@@ -242,8 +308,8 @@ def quantised_tensors(path: Path, layout: GGUFLayout | None = None) -> dict[str,
 
 def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | None = None) -> dict[str, NativeWeight]:
     """HF name -> quantised NativeWeight for every tensor of ``gguf`` in a block type the kernels
-    read (Q4_0, Q4_1, Q5_0, Q8_0) whose dequantisation equals ``dense[name]`` exactly (after a row
-    permutation, if any). Weights in other block types (the K types, Q5_1, ...) are named in one
+    read (Q4_0, Q4_1, Q5_0, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) whose dequantisation equals ``dense[name]`` exactly (after a row
+    permutation, if any). Weights in other block types (Q5_1, Q2_K, ...) are named in one
     notice: they run on their fp32 dequantisation.
 
     ``orders``: a file remembering each tensor's row permutation from an earlier load. A
@@ -273,7 +339,9 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
             continue
         found[name] = order
         pick = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
-        qs_t, d_t, m_t = pick(qs), pick(d.astype(np.float32)), pick(None if m is None else m.astype(np.float32))
+        keep = kind in ("q4_k", "q6_k")  # the K kinds' minimums and scales are integers
+        qs_t, d_t = pick(qs), pick(d.astype(np.float32))
+        m_t = pick(None if m is None else m if keep else m.astype(np.float32))
         out[name] = NativeWeight(kind, rows, target.shape[1], qs=qs_t, d=d_t, m=m_t)
     if skipped:
         print(f"ddspec: {len(skipped)} GGUF tensors do not match their fp32 weights exactly (e.g. {skipped[0]}); "
@@ -298,7 +366,7 @@ def _notice_unread_types(layout: GGUFLayout, dense: dict[str, torch.Tensor]) -> 
         kinds = ", ".join(f"{n} {t}" for t, n in sorted(unread.items(), key=lambda x: -x[1]))
         count = sum(unread.values())
         print(f"ddspec: {count} weight tensor{'s' if count > 1 else ''} ({kinds}) have no native kernel yet and run "
-              "dequantised to fp32 (slower); the kernels read Q4_0, Q4_1, Q5_0, Q8_0, F16 and BF16", file=sys.stderr)
+              "dequantised to fp32 (slower); the kernels read Q4_0, Q4_1, Q5_0, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, F16 and BF16", file=sys.stderr)
 
 
 SAMPLE_ROWS = 16

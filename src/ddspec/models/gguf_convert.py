@@ -47,7 +47,7 @@ def hf_tensor_name(name: str) -> str:
 
 def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarray:
     """fp32 array [rows..., dims[0]] by gguf-py's formulas: F32, F16 and BF16 as they are, the block
-    types the native kernels read (Q4_0, Q4_1, Q5_0, Q8_0) through the same blocks, every other type
+    types the native kernels read (Q4_0, Q4_1, Q5_0, Q8_0 and the K types) through the same blocks, every other type
     (the K types, Q5_1, ...) through gguf-py's own dequantisation."""
     shape = tuple(reversed(dims))
     if ttype == 0:

@@ -14,7 +14,7 @@ on the model's own weights for each row-count bucket, and the fastest per bucket
 - ``onednn``: oneDNN with W packed once (the batch hint only steers the layout; one packing
   serves every row count).
 - ``native``: ddspec's own C kernels (native/kernels/): fp32 W [out, in], or, for a
-  model converted from a GGUF, the weight's Q4_1 / Q8_0 blocks turned back into the same fp32
+  model converted from a GGUF, the weight's GGUF blocks (Q4_0 .. Q8_0, the K types) turned back into the same fp32
   values inside the kernel (a seventh of the bytes to read). Where a layer's plan says
   ``native``, the whole decoder layer runs as one C call (models/llama.py).
 

@@ -134,10 +134,10 @@ def native_parts(blocks: dict | None, kernels: set[str]):
     def parts(names: list[str]):
         if "native" not in kernels or not blocks or any(n not in blocks for n in names):
             return None
-        from ddspec.native import concat
+        from ddspec.native.weights import concat, stacked_kind
 
         found = [blocks[n] for n in names]
-        return found[0] if len(found) == 1 else concat(found) if len({b.kind for b in found}) == 1 else None
+        return found[0] if len(found) == 1 else concat(found) if stacked_kind(b.kind for b in found) else None
     return parts
 
 
@@ -334,7 +334,7 @@ class LlamaWeights:
                 dtype: torch.dtype = torch.float32, gguf=None, activations: str = "fp32",
                 name: str | None = None) -> "LlamaWeights":
         """gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
-        then reads its Q4_1 / Q8_0 blocks (exactly the same weights, fewer bytes).
+        then reads its blocks (Q4_0 .. Q8_0, the K types: exactly the same weights, fewer bytes).
         activations: ``fp32``, or ``int8``: those blocks multiply activations rounded to 8 bits per
         block of 32 (as llama.cpp does; native/kernels/q4_1.c): faster, most at
         several rows, and a slightly different model (plain and speculative decoding share it); its
@@ -350,7 +350,7 @@ class LlamaWeights:
 
 
 def read_gguf_blocks(gguf, w: dict[str, torch.Tensor]) -> dict:
-    """The GGUF file's Q4_1 / Q8_0 blocks of the weights ``w`` (fp32 on the CPU), NativeWeight by
+    """The GGUF file's quantised blocks of the weights ``w`` (fp32 on the CPU), NativeWeight by
     name: {} without the native kernels."""
     from ddspec import native
 
@@ -368,9 +368,11 @@ def activation_blocks(blocks: dict, activations: str, name: str | None) -> dict:
         return blocks
     if activations != "int8":
         raise ConfigError(f"unknown activations {activations!r}: choose fp32 or int8")
-    if not any(b.kind in ("q4_1", "q8_0") for b in blocks.values()):
+    from ddspec.native.weights import INT8_ACTIVATIONS
+
+    if not any(b.kind in INT8_ACTIVATIONS for b in blocks.values()):
         raise ConfigError(
-            f"--activations int8 multiplies a GGUF model's Q4_1 / Q8_0 weights on a CPU with ddspec's "
+            f"--activations int8 multiplies a GGUF model's block weights (Q4_0 .. Q8_0, the K types) on a CPU with ddspec's "
             f"kernels; {name or 'this model'} has none here (a .gguf file and --device cpu "
             f"--dtype float32 give them). Use --activations fp32.")
     return {k: b.with_int8_activations() for k, b in blocks.items()}
@@ -476,8 +478,10 @@ class NativeLlama:
 
     def lm_head_blocks(self, rows: torch.Tensor | None):
         """The lm_head's GGUF blocks (a NativeWeight) for these vocabulary rows, or None without blocks."""
+        from ddspec.native.weights import INT8_ACTIVATIONS
+
         blocks = self.lm_head_w.native if self.lm_head_w.native is not None else None
-        if blocks is None or blocks.kind not in ("q4_1", "q8_0"):
+        if blocks is None or blocks.kind not in INT8_ACTIVATIONS:
             blocks = self.blocks.get("embed_tokens.weight" if self._lm_head_oi is self.embed_tokens else "lm_head.weight")
         if blocks is None:
             return None

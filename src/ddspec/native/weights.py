@@ -1,7 +1,7 @@
 """Weights as ddspec's CPU kernels read them, and the matmuls over them.
 
 :class:`NativeWeight` describes one weight to the kernels: fp32 ``[out, in]`` (kept as fp16 / bf16
-when those hold it exactly), or the GGUF blocks of a Q4_1 / Q8_0 weight (models/gguf_blocks.py),
+when those hold it exactly), or the GGUF blocks of a Q4_1 / Q8_0 / K-type weight (models/gguf_blocks.py),
 multiplied with fp32 or 8-bit activations; it is packed into the kernels' layout (groups of 16
 outputs) on first use. :func:`concat` stacks weights (q|k|v, gate|up) and :func:`gemm_sweep`
 runs several matmuls in one C call.
@@ -15,7 +15,10 @@ import torch
 
 from ddspec.native.lib import CWeight, library
 
-KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6}
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6,
+         "q4_k": 7, "q6_k": 8, "q4_ka8": 9, "q6_ka8": 10}
+INT8_ACTIVATIONS = {"q4_1": "q4_1a8", "q8_0": "q8_0a8", "q4_k": "q4_ka8", "q6_k": "q6_ka8"}
+K_KINDS = ("q4_k", "q6_k", "q4_ka8", "q6_ka8")  # super-blocks of 256 inputs (GGUF's K types)
 HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -24,9 +27,13 @@ class NativeWeight:
 
     Built from the row layout: kind ``f32``: ``w`` [out, in]; ``q4_1``: ``qs`` uint8
     [out, in/32, 16] (GGUF nibbles: byte j holds elements j and j + 16 of the block), ``d``/``m``
-    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]. Kinds
-    ``q4_1a8`` / ``q8_0a8`` hold the same blocks, multiplied with 8-bit activations (see
-    :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
+    float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]; the K kinds
+    ``q4_k`` (levels 0..15) and ``q6_k`` (any K type's levels, int8): ``qs`` int8 [out, in] (the
+    levels in input order), ``d`` float32 [out, in/256, 2] (each super-block's d and dmin), ``m``
+    int8 [out, in/32, 3] (per block of 32 inputs the scale of its first and last 16 inputs and its
+    minimum; both scales equal for ``q4_k``): w = d * sc * q - dmin * m. Kinds ``q4_1a8`` /
+    ``q8_0a8`` / ``q4_ka8`` / ``q6_ka8`` hold the same blocks, multiplied with 8-bit activations
+    (see :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
     taking subsets of outputs.
     """
 
@@ -34,8 +41,9 @@ class NativeWeight:
         self.kind, self.out_features, self.in_features = kind, out, inp
         self.rows = (w, qs, d, m)
         self.bias = None if bias is None else bias.float().contiguous()
-        if inp % 32 and kind not in ("f32", *HALVES):
-            raise ValueError(f"a {kind} weight needs an input width that is a multiple of 32, not {inp}")
+        unit = 256 if kind in K_KINDS else 32
+        if inp % unit and kind not in ("f32", *HALVES):
+            raise ValueError(f"a {kind} weight needs an input width that is a multiple of {unit}, not {inp}")
         self._packed: tuple | None = None
         self._struct: CWeight | None = None
 
@@ -84,9 +92,9 @@ class NativeWeight:
         return cls("q4_1", *w_oi.shape, qs=qs.contiguous(), d=d, m=m)
 
     def with_int8_activations(self) -> "NativeWeight":
-        """This Q4_1 / Q8_0 weight multiplying activations rounded to 8 bits per block of 32
-        (kinds ``q4_1a8`` / ``q8_0a8``; see native/kernels/); other kinds unchanged."""
-        kind = {"q4_1": "q4_1a8", "q8_0": "q8_0a8"}.get(self.kind)
+        """This block weight multiplying activations rounded to 8 bits per block of 32
+        (kinds ``q4_1a8`` / ``q8_0a8`` / ``q4_ka8`` / ``q6_ka8``; see native/kernels/); other kinds unchanged."""
+        kind = INT8_ACTIVATIONS.get(self.kind)
         if kind is None:
             return self
         w, qs, d, m = self.rows
@@ -187,27 +195,59 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
     if kind in HALVES:
         return grouped(w.to(HALVES[kind])), None, None, None
     nb = inp // 32
-    if kind == "q4_1a8":  # per quad of 4 inputs: byte 4o + j = q(o, 4i + j) | q(o + 8, 4i + j) << 4
-        q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16]
-        q = q.reshape(groups, nb, 8, 4, GROUP)  # [G, block, quad, j, output]
-        levels = (q[..., :8] | (q[..., 8:] << 4)).permute(0, 1, 2, 4, 3).reshape(groups, nb, 256)
-        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]
-    elif kind == "q4_1":
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp)  # element order within each block
-        q = grouped(q)  # [G, in, 16] values 0..15
-        levels = (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)  # byte j: output j (low), j + 8 (high)
+    if kind in K_KINDS:
+        return _pack_k(kind, out, inp, qs, d, m, grouped)
+    if kind in ("q4_1", "q4_1a8"):
+        q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16] values 0..15
+        levels = _nibbles(q, kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]  # [G, nb, 16]
-    elif kind == "q8_0a8":  # per quad of 4 inputs: outputs 0-7 then 8-15, byte 4o + j = q(o, 4i + j)
-        q = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8)  # [G, in, 16]
-        q = q.reshape(groups, nb, 8, 4, 2, 8)  # [G, block, quad, j, half, output]
-        levels = q.permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 512)
-        head = [grouped(_half(d, "scales").reshape(out, nb))]
     else:
-        levels = grouped(qs.reshape(out, inp).view(torch.int8)).view(torch.uint8).reshape(groups, nb, 512)
+        levels = _bytes8(grouped(qs.reshape(out, inp).view(torch.int8)), kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb))]
     # one contiguous block per (group, 32 inputs): fp16 scales (and minimums), then the levels
     blocks = torch.cat([h.contiguous().view(torch.uint8) for h in head] + [levels], dim=-1).contiguous()
     return None, blocks, None, None
+
+
+def _nibbles(q: torch.Tensor, kind: str, groups: int, nb: int) -> torch.Tensor:
+    """Levels 0..15 grouped [G, in, 16] -> the 4-bit kinds' level bytes [G, nb, 256]: byte 8k + j holds
+    outputs j and j + 8 of input k, or (8-bit activations) per quad i of 4 inputs byte 4o + j holds
+    q(o, 4i + j) | q(o + 8, 4i + j) << 4."""
+    if kind.endswith("a8"):
+        q = q.reshape(groups, nb, 8, 4, GROUP)  # [G, block, quad, j, output]
+        return (q[..., :8] | (q[..., 8:] << 4)).permute(0, 1, 2, 4, 3).reshape(groups, nb, 256)
+    return (q[..., :8] | (q[..., 8:] << 4)).reshape(groups, nb, 256)
+
+
+def _bytes8(q: torch.Tensor, kind: str, groups: int, nb: int) -> torch.Tensor:
+    """int8 levels grouped [G, in, 16] -> the 8-bit kinds' level bytes [G, nb, 512]: input by input,
+    or (8-bit activations) per quad of 4 inputs outputs 0-7 then 8-15, byte 4o + j = q(o, 4i + j)."""
+    q = q.view(torch.uint8)
+    if kind.endswith("a8"):
+        q = q.reshape(groups, nb, 8, 4, 2, 8)  # [G, block, quad, j, half, output]
+        return q.permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 512)
+    return q.reshape(groups, nb, 512)
+
+
+def _pack_k(kind: str, out: int, inp: int, qs, d, m, grouped) -> tuple:
+    """The K kinds (kernels/kquant.h): per (group, block of 32 inputs) the small integer scales and
+    minimums then the levels, and the super-blocks' d / dmin as a side array [G, in/256, 32]."""
+    groups, nb = -(-out // GROUP), inp // 32
+    sc = m.view(torch.int8).reshape(out, nb, 3)
+    levels = grouped(qs.reshape(out, inp).view(torch.int8))  # [G, in, 16]
+    head = [grouped(sc[..., 0].contiguous()), grouped(sc[..., 2].contiguous())]  # scale, minimum: [G, nb, 16]
+    if kind.startswith("q4_k"):
+        if not torch.equal(sc[..., 0], sc[..., 1]):
+            raise ValueError("a q4_k weight has one scale per block of 32 inputs")
+        if levels.min() < 0 or levels.max() > 15:
+            raise ValueError("a q4_k weight's levels are 0..15")
+        body = _nibbles(levels.view(torch.uint8), kind, groups, nb)
+    else:
+        head = [head[0], grouped(sc[..., 1].contiguous()), head[1], torch.zeros_like(head[1])]
+        body = _bytes8(levels, kind, groups, nb)
+    blocks = torch.cat([h.view(torch.uint8) for h in head] + [body], dim=-1).contiguous()
+    side = torch.cat([grouped(d[..., 0].float().contiguous()), grouped(d[..., 1].float().contiguous())], dim=-1)
+    return None, blocks, side.contiguous(), None
 
 
 def exact_kind(w: torch.Tensor) -> str:
@@ -223,11 +263,24 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def stacked_kind(kinds) -> str | None:
+    """The kind weights of these kinds are stacked into (q|k|v, gate|up), or None where they cannot be:
+    one kind, or Q4_K beside another K type (its blocks hold exactly in q6_k's 8-bit levels)."""
+    kinds = set(kinds)
+    if len(kinds) == 1:
+        return kinds.pop()
+    for wide in ("q6_k", "q6_ka8"):
+        if kinds == {wide.replace("q6", "q4"), wide}:
+            return wide
+    return None
+
+
 def concat(weights: list[NativeWeight]) -> NativeWeight:
-    """Weights of one kind and input width stacked along the outputs (q|k|v, gate|up)."""
-    kind, inp = weights[0].kind, weights[0].in_features
-    if any(w.kind != kind or w.in_features != inp for w in weights):
-        raise ValueError("only weights of one kind and input width can be stacked")
+    """Weights of one input width stacked along the outputs (q|k|v, gate|up), of one kind or of
+    kinds :func:`stacked_kind` joins."""
+    kind, inp = stacked_kind(w.kind for w in weights), weights[0].in_features
+    if kind is None or any(w.in_features != inp for w in weights):
+        raise ValueError("only weights of one kind (or of K kinds) and one input width can be stacked")
     parts = [torch.cat([w.rows[i] for w in weights]) if weights[0].rows[i] is not None else None
              for i in range(4)]
     return NativeWeight(kind, sum(w.out_features for w in weights), inp, w=parts[0], qs=parts[1], d=parts[2], m=parts[3])

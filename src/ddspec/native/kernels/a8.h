@@ -1,4 +1,4 @@
-/* What the 8-bit-activation kinds (DD_Q4_1_A8 in q4_1.c, DD_Q8_0_A8 in q8_0.c) share: the integer
+/* What the 8-bit-activation kinds (DD_Q4_1_A8 in q4_1.c, DD_Q8_0_A8 in q8_0.c, the K kinds of kquant.h) share: the integer
  * steps, the rounding of the rows, a8_gemm (the loop over groups and tiles that calls a kind's
  * passes) and the AVX-512 VNNI passes as a macro (AWPASSES). Static: each kind's file has its own
  * copy, in the same unit as the passes it calls. */
@@ -111,6 +111,11 @@ typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const f
 typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
                              const int32_t *sq, float *y, int64_t ldy, int accumulate);
 
+/* whether a kind's blocks have minimums, whose term needs the rows' fp32 block sums */
+static inline int a8_minimums(int64_t kind) {
+    return kind == DD_Q4_1_A8 || kind == DD_Q4_K_A8 || kind == DD_Q6_K_A8;
+}
+
 /* a8_gemm's buffers: the rounded rows qx, their scales dx and block sums sx (one allocation), and
  * with with_sq the block sums of qx */
 static void a8_alloc(int64_t n, int64_t in, int with_sq, int8_t **qx, float **dx, int32_t **sq) {
@@ -179,12 +184,12 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < n; r++) {
             quantise_rows_a8(x + r * in, 1, in, qx + r * in, dx + r * nb, sq ? sq + r * nb : NULL);
-            if (W->kind == DD_Q4_1_A8) block_sums(x + r * in, 1, in, sx + r * nb);
+            if (a8_minimums(W->kind)) block_sums(x + r * in, 1, in, sx + r * nb);
         }
         dd_sync();
     } else {
         quantise_rows_a8(x, n, in, qx, dx, sq);
-        if (W->kind == DD_Q4_1_A8) block_sums(x, n, in, sx);
+        if (a8_minimums(W->kind)) block_sums(x, n, in, sx);
     }
 #if DD_WIDE_A8
     if (G) {

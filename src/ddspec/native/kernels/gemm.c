@@ -4,13 +4,17 @@
 
 /* kind -> its functions (see dd_kind_ops) */
 DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS] = {
-    [DD_F32] = {"f32", dd_mm_f32, 0},
-    [DD_Q4_1] = {"q4_1", dd_mm_q4_1, BLOCK_BYTES(DD_Q4_1)},
-    [DD_Q8_0] = {"q8_0", dd_mm_q8_0, BLOCK_BYTES(DD_Q8_0)},
-    [DD_F16] = {"f16", dd_mm_f16, 0},
-    [DD_BF16] = {"bf16", dd_mm_bf16, 0},
-    [DD_Q4_1_A8] = {"q4_1a8", dd_mm_q4_1a8, BLOCK_BYTES(DD_Q4_1)},
-    [DD_Q8_0_A8] = {"q8_0a8", dd_mm_q8_0a8, BLOCK_BYTES(DD_Q8_0)},
+    [DD_F32] = {"f32", dd_mm_f32, 0, 0},
+    [DD_Q4_1] = {"q4_1", dd_mm_q4_1, BLOCK_BYTES(DD_Q4_1), 32},
+    [DD_Q8_0] = {"q8_0", dd_mm_q8_0, BLOCK_BYTES(DD_Q8_0), 32},
+    [DD_F16] = {"f16", dd_mm_f16, 0, 0},
+    [DD_BF16] = {"bf16", dd_mm_bf16, 0, 0},
+    [DD_Q4_1_A8] = {"q4_1a8", dd_mm_q4_1a8, BLOCK_BYTES(DD_Q4_1), 32},
+    [DD_Q8_0_A8] = {"q8_0a8", dd_mm_q8_0a8, BLOCK_BYTES(DD_Q8_0), 32},
+    [DD_Q4_K] = {"q4_k", dd_mm_q4_k, 288, 256},
+    [DD_Q6_K] = {"q6_k", dd_mm_q6_k, 576, 256},
+    [DD_Q4_K_A8] = {"q4_ka8", dd_mm_q4_ka8, 288, 256},
+    [DD_Q6_K_A8] = {"q6_ka8", dd_mm_q6_ka8, 576, 256},
 };
 
 /* y [n, out] (+)= x [n, in] @ W^T; output groups are shared among the threads of the enclosing
@@ -55,9 +59,10 @@ static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int6
     *idx = c < c1 ? c : -1;
 }
 
-/* Whether the matmul entries refuse W: a block weight whose inputs are not whole blocks of 32. */
+/* Whether the matmul entries refuse W: a block weight whose inputs are not whole blocks (of 32
+ * inputs, 256 for the K kinds). */
 static int partial_blocks(const dd_weight *W) {
-    return W->kind >= 0 && W->kind < DD_KINDS && dd_kinds[W->kind].block_bytes && W->in % 32;
+    return W->kind >= 0 && W->kind < DD_KINDS && dd_kinds[W->kind].unit && W->in % dd_kinds[W->kind].unit;
 }
 
 /* y [n, out] = x [n, in] W^T on nthreads threads; with best (else NULL), also each row's argmax

@@ -1,0 +1,235 @@
+/* The K block kinds (GGUF's Q4_K, Q5_K, Q6_K and Q3_K weights), with fp32 activations and with 8-bit
+ * ones, as macros that q4_k.c and q6_k.c instantiate.
+ *
+ * A K-type tensor is made of super-blocks of 256 inputs: per super-block an fp16 scale d (and, for
+ * Q4_K / Q5_K, an fp16 dmin), and per sub-block of 32 (Q4_K, Q5_K) or 16 inputs (Q6_K, Q3_K) a small
+ * integer scale sc (and minimum m). gguf-py dequantises w = fl(d * sc) * q - fl(dmin * m); both
+ * products are exact in fp32 (an fp16 times an integer of at most 8 bits), so the kernels keep the
+ * integers and rebuild the products where they use them: the same values as the file's fp32
+ * weights, a fraction of the bytes.
+ *
+ * Layout (one group of 16 outputs, as every block kind): the super-block scales in a side array
+ * W->d [G, in / 256, 32] floats (16 d, then 16 dmin: 0 where the type has none), and per block of
+ * 32 inputs a header of small integers then the levels:
+ *   DD_Q4_K: 288 bytes: 16 sc (int8), 16 m (uint8), then the 4-bit levels as DD_Q4_1's (byte
+ *            8k + j = q(output j, k) | q(output j + 8, k) << 4);
+ *   DD_Q6_K: 576 bytes: 16 sc of inputs 0-15, 16 sc of inputs 16-31 (int8), 16 m (uint8), 16 zero
+ *            bytes, then the levels as int8 (byte 16k + o = q(o, k)): Q6_K's q - 32, Q3_K's signed
+ *            3-bit levels, Q5_K's 0..31, or Q4_K's 0..15 where a Q4_K weight is stacked with one of
+ *            those (q|k|v with a Q6_K v): every K type fits it exactly;
+ *   DD_Q4_K_A8, DD_Q6_K_A8: the same headers, the levels in DD_Q4_1_A8's / DD_Q8_0_A8's quad order.
+ *
+ * Per block and output the kernel sums x * q over each sub-block with one scale (32 inputs, or
+ * 16 twice), from zero in order of k, then t = fma(fl(d * sc), s, t) per sub-block and
+ * t = t - fl(dmin * m) * sx (sx: the block's sum of x, as DD_Q4_1's minimum term). As for the other
+ * kinds, an output's arithmetic depends neither on the other rows, nor on the outputs sharing a
+ * pass, nor on the threads. With 8-bit activations (per block of 32: x ~ dx * qx, qx in [-127, 127])
+ * the sums over sub-blocks are exact integers and the scale is fl(fl(d * sc) * dx). */
+#ifndef DD_KQUANT_H
+#define DD_KQUANT_H
+#include "common.h"
+#include "a8.h"
+
+#define K_NIBBLES(K) ((K) == DD_Q4_K || (K) == DD_Q4_K_A8)
+#define K_BYTES(K) (K_NIBBLES(K) ? 288 : 576)
+#define K_LEVELS(K) (K_NIBBLES(K) ? 32 : 64) /* where the levels start */
+#define K_MINS(K) (K_NIBBLES(K) ? 16 : 32)   /* where the 16 minimums are */
+#define K_HALVES(K) (!K_NIBBLES(K))          /* a scale per 16 inputs */
+
+/* group g's super-block scales for block b: 16 d, then 16 dmin */
+static inline __attribute__((always_inline)) const float *k_super(const dd_weight *W, int64_t g, int64_t b) {
+    return W->d + (g * (W->in / 256) + (b >> 3)) * 32;
+}
+
+/* fl(d * sc) for 8 outputs: p the 8 int8 scales, d their super-block scales (exact: see above) */
+static inline __attribute__((always_inline)) __m256 k_scale8(const uint8_t *p, const float *d) {
+    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sc), _mm256_loadu_ps(d));
+}
+
+/* fl(dmin * m) for 8 outputs (m unsigned) */
+static inline __attribute__((always_inline)) __m256 k_min8(const uint8_t *p, const float *dmin) {
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_loadu_ps(dmin));
+}
+
+/* the levels of input k for outputs 0-7 (q0) and 8-15 (q1), as floats */
+static inline __attribute__((always_inline)) void k_levels(int64_t kind, const uint8_t *blk, int64_t k, __m256 *q0,
+                                                           __m256 *q1) {
+    if (K_NIBBLES(kind)) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 32 + k * 8)));
+        *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+        *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 64 + k * 16));
+        *q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        *q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    }
+}
+
+/* t[0..16) (in memory) = fma(scale, s, t) for sub-block h's scales of block blk */
+static inline __attribute__((always_inline)) void k_scaled(int64_t kind, const uint8_t *blk, const float *sup, int h,
+                                                           __m256 s0, __m256 s1, float *t) {
+    const uint8_t *sc = blk + (K_HALVES(kind) ? 16 * h : 0);
+    _mm256_store_ps(t, _mm256_fmadd_ps(k_scale8(sc, sup), s0, _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(k_scale8(sc + 8, sup + 8), s1, _mm256_load_ps(t + 8)));
+}
+
+/* t[0..16) = t - fl(dmin * m) * sx: the block's minimums */
+static inline __attribute__((always_inline)) void k_minimum(int64_t kind, const uint8_t *blk, const float *sup,
+                                                            float sxv, float *t) {
+    const __m256 sx = _mm256_set1_ps(sxv);
+    _mm256_store_ps(t, _mm256_fnmadd_ps(k_min8(blk + K_MINS(kind), sup + 16), sx, _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fnmadd_ps(k_min8(blk + K_MINS(kind) + 8, sup + 24), sx, _mm256_load_ps(t + 8)));
+}
+
+/* fp32 activations: rows [0, R) of x against groups [g, g + G), per sub-block 2 R G running sums in
+ * registers (R G <= 6: 12 sums, 2 G level registers and a broadcast), the scaled totals in memory */
+#define KPASS(KIND_ID, KIND, R, G)                                                                  \
+    static void kpass_##KIND##_##R##_##G(const dd_weight *W, int64_t g, const float *x, int64_t ldx, \
+                                         const float *sx, float *y, int64_t ldy, int accumulate) {  \
+        enum { BYTES = K_BYTES(KIND_ID), SUBS = K_HALVES(KIND_ID) ? 2 : 1 };                        \
+        const int64_t nb = W->in / 32, next = nb * BYTES, snext = W->in / 256 * 32;                  \
+        float tot[R * G * 16] __attribute__((aligned(32)));                                         \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
+            const float *sup = k_super(W, g, b);                                                    \
+            _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) PREFETCH_AHEAD(R, blk + j * next, BYTES); \
+            _Pragma("GCC unroll 2") for (int h = 0; h < SUBS; h++) {                                \
+                __m256 s[2 * R * G];                                                                \
+                _Pragma("GCC unroll 16") for (int j = 0; j < 2 * R * G; j++) s[j] = _mm256_setzero_ps(); \
+                for (int64_t k = h * (32 / SUBS); k < (h + 1) * (32 / SUBS); k++) {                 \
+                    __m256 q[2 * G];                                                                \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                             \
+                        k_levels(KIND_ID, blk + j * next, k, &q[2 * j], &q[2 * j + 1]);             \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                           \
+                        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + b * 32 + k);            \
+                        _Pragma("GCC unroll 4") for (int j = 0; j < G; j++) {                       \
+                            s[2 * (r * G + j)] = _mm256_fmadd_ps(xv, q[2 * j], s[2 * (r * G + j)]); \
+                            s[2 * (r * G + j) + 1] = _mm256_fmadd_ps(xv, q[2 * j + 1], s[2 * (r * G + j) + 1]); \
+                        }                                                                           \
+                    }                                                                               \
+                }                                                                                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                 \
+                    _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                             \
+                        k_scaled(KIND_ID, blk + j * next, sup + j * snext, h, s[2 * (r * G + j)],   \
+                                 s[2 * (r * G + j) + 1], tot + (r * G + j) * 16);                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                     \
+                _Pragma("GCC unroll 4") for (int j = 0; j < G; j++)                                 \
+                    k_minimum(KIND_ID, blk + j * next, sup + j * snext, sx[r * nb + b], tot + (r * G + j) * 16); \
+        }                                                                                           \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int j = 0; j < G; j++) store_outputs(W, g + j, tot + (r * G + j) * 16, y + r * ldy, accumulate); \
+    }
+
+/* y (+)= x @ W^T with fp32 activations inside a parallel region (see dd_matmul): one row three
+ * groups at a time (six FMA chains), two rows two groups at a time, more rows group by group in
+ * balanced tiles of at most 6 rows (the group's levels stay in L1 between tiles) */
+#define KGEMM(KIND_ID, KIND)                                                                        \
+    KPASS(KIND_ID, KIND, 1, 1) KPASS(KIND_ID, KIND, 1, 3) KPASS(KIND_ID, KIND, 2, 2)                \
+    KPASS(KIND_ID, KIND, 2, 1) KPASS(KIND_ID, KIND, 3, 1) KPASS(KIND_ID, KIND, 4, 1)                \
+    KPASS(KIND_ID, KIND, 5, 1) KPASS(KIND_ID, KIND, 6, 1)                                           \
+    DD_HIDDEN void dd_mm_##KIND(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) { \
+        static void (*const tile[6])(const dd_weight *, int64_t, const float *, int64_t, const float *, float *, \
+                                     int64_t, int) = {kpass_##KIND##_1_1, kpass_##KIND##_2_1, kpass_##KIND##_3_1, \
+                                                      kpass_##KIND##_4_1, kpass_##KIND##_5_1, kpass_##KIND##_6_1}; \
+        const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, ldx = W->in;                     \
+        float *sx = malloc(sizeof(float) * (size_t)(n * nb + 1)); /* each thread its own copy */    \
+        block_sums(x, n, W->in, sx);                                                                \
+        const int64_t per = n == 1 ? 3 : n == 2 ? 2 : 1, units = (groups + per - 1) / per;           \
+        span_start(units);                                                                          \
+        for (int64_t u = -1; span_next(units, 1, &u) > 0;) {                                        \
+            const int64_t g = u * per;                                                              \
+            if (n == 1 && g + 3 <= groups) {                                                        \
+                kpass_##KIND##_1_3(W, g, x, ldx, sx, y, ldy, acc);                                  \
+            } else if (n == 2 && g + 2 <= groups) {                                                 \
+                kpass_##KIND##_2_2(W, g, x, ldx, sx, y, ldy, acc);                                  \
+            } else {                                                                                \
+                const int64_t tiles = (n + 5) / 6;                                                  \
+                for (int64_t j = g; j < g + per && j < groups; j++)                                 \
+                    for (int64_t t = 0, r = 0; t < tiles; t++) {                                    \
+                        const int64_t rows = n / tiles + (t < n % tiles);                           \
+                        tile[rows - 1](W, j, x + r * ldx, ldx, sx + r * nb, y + r * ldy, ldy, acc); \
+                        r += rows;                                                                  \
+                    }                                                                               \
+            }                                                                                       \
+        }                                                                                           \
+        dd_sync();                                                                                  \
+        free(sx);                                                                                   \
+    }
+
+/* 8-bit activations: t[0..16) += fl(fl(d * sc) * dx) * s for sub-block h (s: integer sums) */
+static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, const uint8_t *blk, const float *sup, int h,
+                                                              float dxv, __m256i s0, __m256i s1, float *t) {
+    const uint8_t *sc = blk + (K_HALVES(kind) ? 16 * h : 0);
+    const __m256 dx = _mm256_set1_ps(dxv);
+    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(k_scale8(sc, sup), dx), _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(k_scale8(sc + 8, sup + 8), dx),
+                                           _mm256_load_ps(t + 8)));
+}
+
+/* 8-bit activations, rows [0, R) against group g: per sub-block 2R integer sums in registers (the
+ * 4-bit levels' in 16-bit lanes without VNNI, at most 8 * 2 * 15 * 127 < 2^15, as DD_Q4_1_A8's;
+ * the 8-bit levels' products widened at once, as DD_Q8_0_A8's: |q| times x carrying q's sign) */
+#define KAPASS(KIND_ID, KIND, R)                                                                    \
+    static void kapass_##KIND##_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, \
+                                    const float *sx, float *y, int64_t ldy, int accumulate) {       \
+        enum { BYTES = K_BYTES(KIND_ID), SUBS = K_HALVES(KIND_ID) ? 2 : 1 };                        \
+        const int64_t nb = W->in / 32, in = W->in;                                                  \
+        const __m256i low = _mm256_set1_epi8(0x0F);                                                 \
+        float tot[R * 16] __attribute__((aligned(32)));                                             \
+        memset(tot, 0, sizeof(tot));                                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            const uint8_t *blk = W->qs + (g * nb + b) * BYTES;                                      \
+            const float *sup = k_super(W, g, b);                                                    \
+            for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
+            PREFETCH_AHEAD(R, blk, BYTES);                                                          \
+            _Pragma("GCC unroll 2") for (int h = 0; h < SUBS; h++) {                                \
+                __m256i s0[R], s1[R];                                                               \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
+                _Pragma("GCC unroll 8") for (int i = h * (8 / SUBS); i < (h + 1) * (8 / SUBS); i++) { \
+                    if (K_NIBBLES(KIND_ID)) {                                                       \
+                        const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i)); \
+                        const __m256i lo = _mm256_and_si256(L, low);                                \
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);          \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
+                            const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                \
+                            s0[r] = a8_acc(s0[r], lo, xb);                                          \
+                            s1[r] = a8_acc(s1[r], hi, xb);                                          \
+                            __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */   \
+                        }                                                                           \
+                    } else {                                                                        \
+                        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * i)); \
+                        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 96 + 64 * i)); \
+                        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);           \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
+                            const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                \
+                            s0[r] = a8_acc32(s0[r], a0, _mm256_sign_epi8(xb, w0));                  \
+                            s1[r] = a8_acc32(s1[r], a1, _mm256_sign_epi8(xb, w1));                  \
+                            __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                 \
+                        }                                                                           \
+                    }                                                                               \
+                }                                                                                   \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
+                    const __m256i w0 = K_NIBBLES(KIND_ID) ? a8_widen(s0[r]) : s0[r];                \
+                    const __m256i w1 = K_NIBBLES(KIND_ID) ? a8_widen(s1[r]) : s1[r];                \
+                    k_scaled_a8(KIND_ID, blk, sup, h, dx[r * nb + b], w0, w1, tot + r * 16);        \
+                }                                                                                   \
+            }                                                                                       \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) k_minimum(KIND_ID, blk, sup, sx[r * nb + b], tot + r * 16); \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) store_outputs(W, g, tot + r * 16, y + r * ldy, accumulate);     \
+    }
+
+/* y (+)= x @ W^T with 8-bit activations (a8_gemm: the rounding of the rows, shared or not, and
+ * their block sums for the minimums; tiles of at most 4 rows) */
+#define KAGEMM(KIND_ID, KIND)                                                                       \
+    KAPASS(KIND_ID, KIND, 1) KAPASS(KIND_ID, KIND, 2) KAPASS(KIND_ID, KIND, 3) KAPASS(KIND_ID, KIND, 4) \
+    DD_HIDDEN void dd_mm_##KIND(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) { \
+        static const a8_pass passes[4] = {kapass_##KIND##_1, kapass_##KIND##_2, kapass_##KIND##_3, kapass_##KIND##_4}; \
+        a8_gemm(W, x, n, y, ldy, acc, passes, 4, NULL);                                             \
+    }
+
+#endif /* DD_KQUANT_H */
