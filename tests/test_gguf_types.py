@@ -1,6 +1,6 @@
-"""GGUF block types beyond the shipped Q4_1 / Q8_0: Q4_0 and Q5_0 read exactly into the kernels'
-blocks (the K types: test_k_quants.py), every other type dequantised by gguf-py's formulas and
-named in a notice."""
+"""GGUF block types beyond the shipped Q4_1 / Q8_0: Q4_0, Q5_0 and Q5_1 read exactly into the
+kernels' blocks (the K types: test_k_quants.py), every other type dequantised by gguf-py's formulas
+and named in a notice."""
 
 from __future__ import annotations
 
@@ -63,19 +63,22 @@ def _write(path, tensors):
 
 
 @pytest.mark.skipif(not native.available(), reason="no native kernels here")
-def test_q4_0_and_q5_0_weights_run_on_the_kernels_and_other_types_are_named(tmp_path, capsys):
+def test_q4_0_q5_0_and_q5_1_weights_run_on_the_kernels_and_other_types_are_named(tmp_path, capsys):
+    from test_k_quants import k_raw
+
     tensors = [("blk.0.attn_q.weight", gguf.quantize(_weights(64, 64, 1), T.Q4_0), T.Q4_0),
                ("blk.0.ffn_down.weight", gguf.quantize(_weights(64, 96, 2), T.Q5_0), T.Q5_0),
-               ("blk.0.ffn_up.weight", gguf.quantize(_weights(96, 64, 3), T.Q5_1), T.Q5_1)]
+               ("blk.0.ffn_gate.weight", gguf.quantize(_weights(96, 64, 4), T.Q5_1), T.Q5_1),
+               ("blk.0.ffn_up.weight", k_raw(T.Q2_K, 96, 256, 3), T.Q2_K)]
     _write(tmp_path / "m.gguf", tensors)
-    names = {"blk.0.attn_q.weight": "layers.0.self_attn.q_proj.weight",
-             "blk.0.ffn_down.weight": "layers.0.mlp.down_proj.weight", "blk.0.ffn_up.weight": "layers.0.mlp.up_proj.weight"}
+    names = {"blk.0.attn_q.weight": "layers.0.self_attn.q_proj.weight", "blk.0.ffn_down.weight": "layers.0.mlp.down_proj.weight",
+             "blk.0.ffn_gate.weight": "layers.0.mlp.gate_proj.weight", "blk.0.ffn_up.weight": "layers.0.mlp.up_proj.weight"}
     dense = {names[n]: torch.from_numpy(gguf.dequantize(raw, t).reshape(raw.shape[0], -1).copy()) for n, raw, t in tensors}
     blocks = native_weights(tmp_path / "m.gguf", dense)
-    assert set(blocks) == {names["blk.0.attn_q.weight"], names["blk.0.ffn_down.weight"]}
-    assert {b.kind for b in blocks.values()} == {"q4_1", "q8_0"}
+    assert {n: b.kind for n, b in blocks.items()} == {names["blk.0.attn_q.weight"]: "q4_1", names["blk.0.ffn_down.weight"]: "q8_0",
+                                                       names["blk.0.ffn_gate.weight"]: "q5_1"}
     notice = capsys.readouterr().err
-    assert "1 weight tensor (1 Q5_1) have no native kernel yet" in notice
+    assert "1 weight tensor (1 Q2_K) have no native kernel yet" in notice
     for name, weight in blocks.items():  # the kernels compute with exactly the file's fp32 weights
         x = torch.randn(3, dense[name].shape[1], generator=torch.Generator().manual_seed(0))
         exact = torch.stack([torch.stack([(x[r].double() * dense[name][o].double()).sum() for o in range(dense[name].shape[0])])

@@ -1,4 +1,4 @@
-"""GGUF's K types (Q3_K, Q4_K, Q5_K, Q6_K) on the native kernels: their blocks decoded as gguf-py
+"""GGUF's K types (Q3_K, Q4_K, Q5_K, Q6_K) and Q5_1 on the native kernels: their blocks decoded as gguf-py
 decodes them, the matmuls equal to dequantise-then-multiply in both activation modes, a row never
 depending on the others, and a target on K blocks decoding every method token for token as plain
 decoding."""
@@ -15,8 +15,8 @@ from ddspec import native  # noqa: E402
 from ddspec.models.gguf_blocks import NATIVE_SOURCES, dequantize, native_blocks  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-K_TYPES = [T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-FP16_FIELDS = {T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82)}
+K_TYPES = [T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_1]
+FP16_FIELDS = {T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q5_1: (0, 2)}
 needs_kernels = pytest.mark.skipif(not native.available(), reason="no native kernels here")
 
 
@@ -27,8 +27,10 @@ def k_raw(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // per * size), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, size)
-    for at in FP16_FIELDS[qtype]:
+    for i, at in enumerate(FP16_FIELDS[qtype]):
         scales = rng.uniform(0.001, 0.02, blocks.shape[:2]).astype(np.float16)
+        if qtype == T.Q5_1 and i == 1:  # its minimums: either sign
+            scales = (scales * rng.choice([-16, 16], scales.shape)).astype(np.float16)
         blocks[..., at:at + 2] = scales[..., None].view(np.uint8)
     return raw
 
@@ -37,7 +39,10 @@ def k_weight(qtype, rows: int, cols: int, seed: int = 0):
     """(NativeWeight of a random ``qtype`` tensor, gguf-py's fp32 dequantisation of it [rows, cols])."""
     raw = k_raw(qtype, rows, cols, seed)
     kind, qs, d, m = native_blocks(int(qtype), raw, rows)
-    weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(qs), d=torch.from_numpy(d), m=torch.from_numpy(m))
+    if kind == "q5_1":  # the file's fp16 d and m, held in fp32 as the row layout does
+        d, m = d.astype(np.float32), m.astype(np.float32)
+    weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(np.ascontiguousarray(qs)),
+                                 d=torch.from_numpy(d), m=torch.from_numpy(m))
     return weight, torch.from_numpy(gguf.dequantize(raw, qtype).reshape(rows, cols).copy())
 
 
@@ -45,10 +50,10 @@ def k_weight(qtype, rows: int, cols: int, seed: int = 0):
 def test_k_blocks_decode_to_gguf_pys_values_bit_for_bit(qtype):
     raw = k_raw(qtype, 8, 512, int(qtype))
     kind, qs, d, m = native_blocks(int(qtype), raw, 8)
-    assert kind == NATIVE_SOURCES[int(qtype)] == ("q4_k" if qtype == T.Q4_K else "q6_k")
+    assert kind == NATIVE_SOURCES[int(qtype)] == {T.Q4_K: "q4_k", T.Q5_1: "q5_1"}.get(qtype, "q6_k")
     ours, reference = dequantize(kind, qs, d, m), gguf.dequantize(raw, qtype).reshape(8, 512)
     assert np.array_equal(ours.view(np.uint32), reference.view(np.uint32))
-    low, high = {T.Q3_K: (-4, 3), T.Q4_K: (0, 15), T.Q5_K: (0, 31), T.Q6_K: (-32, 31)}[qtype]
+    low, high = {T.Q3_K: (-4, 3), T.Q4_K: (0, 15), T.Q5_K: (0, 31), T.Q6_K: (-32, 31), T.Q5_1: (0, 31)}[qtype]
     assert qs.dtype == np.int8 and low <= qs.min() and qs.max() <= high
 
 
@@ -81,17 +86,20 @@ def test_k_matmuls_equal_dequantise_then_multiply(qtype):
 def k_int8_reference(weight, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T as the 8-bit-activation K kernels define it, in float64: per row and block of 32
     inputs dx = max|x| / 127 and qx = round-half-even(x * (127 / max|x|)) in fp32; per sub-block of
-    16 inputs the integer sum of q * qx times fl(fl(d * sc) * dx), minus fl(dmin * m) * sum(x)."""
+    16 inputs the integer sum of q * qx times fl(fl(d * sc) * dx), minus fl(dmin * m) * sum(x)
+    (Q5_1: the block's d, and plus m * sum(x))."""
     _, qs, d, m = weight.rows
     out, inp = weight.out_features, weight.in_features
     nb = inp // 32
+    if weight.kind == "q5_1":  # as a K weight with d = 1, sc = the block's d and dmin * m = -m
+        d, m = torch.stack([torch.ones(out, nb // 8), torch.ones(out, nb // 8)], -1), torch.stack([d, d, -m], -1)
     xb = x.float().reshape(x.shape[0], nb, 32)
     mx = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))
     qx = torch.round(xb * inv).double().reshape(x.shape[0], nb, 2, 16)
     dx = mx / 127.0  # fp32 [n, nb, 1]
     sup = d.float().repeat_interleave(8, dim=1)  # [out, nb, 2]: each block's d, dmin
-    scale = sup[..., :1] * m[..., :2].float()  # fp32 [out, nb, 2]
+    scale = sup[..., :1] * m[..., :2].float()  # fp32 [out, nb, 2] (exact)
     isum = torch.einsum("rbhk,obhk->robh", qx, qs.reshape(out, nb, 2, 16).double())
     y = (isum * (scale.unsqueeze(0) * dx.reshape(-1, 1, nb, 1)).double()).sum((-1, -2))
     minimum = (sup[..., 1] * m[..., 2].float()).double()  # [out, nb]

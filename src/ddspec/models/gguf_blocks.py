@@ -34,12 +34,16 @@ _TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": 
               "output.weight": "lm_head.weight"}
 
 
+_BIASED = {"attn_q", "attn_k", "attn_v"}  # the layer tensors that may have a bias (qwen2's q, k and v)
+
+
 def hf_name(gguf_name: str) -> str | None:
-    """The HF weight name of a llama GGUF tensor name, without the ``model.`` prefix (None for
-    names outside the llama layout)."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    """The HF weight name of a llama-layout GGUF tensor name, without the ``model.`` prefix (None
+    for names outside the layout). Besides the weights, the biases of q, k and v (qwen2) map to
+    their projections' ``.bias``."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES and (m.group(3) == "weight" or m.group(2) in _BIASED):
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return _TOP_NAMES.get(gguf_name)
 
 
@@ -50,7 +54,8 @@ def hf_name(gguf_name: str) -> str | None:
 # The K types keep their integers: Q4_K as q4_k (4-bit levels, a scale and a minimum per 32 inputs),
 # Q5_K, Q6_K and Q3_K as q6_k (8-bit levels, a scale per 16 inputs, a minimum per 32), under each
 # super-block's d and dmin: w = fl(d * sc) * q - fl(dmin * m), gguf-py's formula, both products exact
-NATIVE_SOURCES = {3: "q4_1", 8: "q8_0", 2: "q4_1", 6: "q8_0", 12: "q4_k", 13: "q6_k", 14: "q6_k", 11: "q6_k"}
+# Q5_1 (d * q + m, 5-bit q) as q5_1: its levels in bytes under the file's fp16 d and m
+NATIVE_SOURCES = {3: "q4_1", 8: "q8_0", 2: "q4_1", 6: "q8_0", 12: "q4_k", 13: "q6_k", 14: "q6_k", 11: "q6_k", 7: "q5_1"}
 K_SOURCES = (11, 12, 13, 14)
 GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
@@ -85,11 +90,15 @@ def native_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[str, np.ndarr
         if not np.isfinite(m).all():
             raise ValueError("a Q4_0 scale too large for fp16 once times 8")
         return kind, b[..., 2:], d, m
-    # Q5_0: fp16 d, 32 high bits (bit j: element j), 16 bytes of low nibbles as Q4_0's
-    b = raw.reshape(rows, -1, 22)
-    high = b[..., 2:6].copy().view(np.uint32)  # [rows, blocks, 1]
+    # Q5_0: fp16 d, 32 high bits (bit j: element j), 16 bytes of low nibbles as Q4_0's; Q5_1: fp16 d
+    # and m, then the same
+    at = 2 if ttype == 6 else 4
+    b = raw.reshape(rows, -1, 20 + at)
+    high = b[..., at:at + 4].copy().view(np.uint32)  # [rows, blocks, 1]
     bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
-    low = np.concatenate([b[..., 6:] & 0x0F, b[..., 6:] >> 4], axis=-1)
+    low = np.concatenate([b[..., at + 4:] & 0x0F, b[..., at + 4:] >> 4], axis=-1)
+    if ttype == 7:
+        return kind, (low | (bits << 4)).astype(np.int8), _fp16(b, 0), _fp16(b, 2)
     return kind, ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8), _fp16(b, 0), None
 
 
@@ -158,6 +167,8 @@ def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -
     if kind == "q4_1":
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # elements 0-15, 16-31
         w = (d32 * q) + m.astype(np.float32)[..., None]
+    elif kind == "q5_1":
+        w = (d32 * qs.reshape(*d.shape, 32).astype(np.float32)) + m.astype(np.float32)[..., None]
     else:
         w = qs.astype(np.float32) * d32
     return w.reshape(w.shape[0], -1)
@@ -308,8 +319,8 @@ def quantised_tensors(path: Path, layout: GGUFLayout | None = None) -> dict[str,
 
 def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | None = None) -> dict[str, NativeWeight]:
     """HF name -> quantised NativeWeight for every tensor of ``gguf`` in a block type the kernels
-    read (Q4_0, Q4_1, Q5_0, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) whose dequantisation equals ``dense[name]`` exactly (after a row
-    permutation, if any). Weights in other block types (Q5_1, Q2_K, ...) are named in one
+    read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) whose dequantisation equals ``dense[name]`` exactly (after a row
+    permutation, if any). Weights in other block types (Q2_K, the IQ types, ...) are named in one
     notice: they run on their fp32 dequantisation.
 
     ``orders``: a file remembering each tensor's row permutation from an earlier load. A
@@ -366,7 +377,7 @@ def _notice_unread_types(layout: GGUFLayout, dense: dict[str, torch.Tensor]) -> 
         kinds = ", ".join(f"{n} {t}" for t, n in sorted(unread.items(), key=lambda x: -x[1]))
         count = sum(unread.values())
         print(f"ddspec: {count} weight tensor{'s' if count > 1 else ''} ({kinds}) have no native kernel yet and run "
-              "dequantised to fp32 (slower); the kernels read Q4_0, Q4_1, Q5_0, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, F16 and BF16", file=sys.stderr)
+              "dequantised to fp32 (slower); the kernels read Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, F16 and BF16", file=sys.stderr)
 
 
 SAMPLE_ROWS = 16
@@ -416,3 +427,114 @@ def _write_orders(path: Path, orders: dict[str, np.ndarray]) -> None:
         tmp.replace(path)
     except OSError:
         pass
+
+
+# The blocks of a GGUF file read straight into the kernels' weights, without an fp32 copy on disk:
+# the converter (gguf_convert.convert) leaves every tensor the kernels read out of model.safetensors
+# and lists it here instead, with the rows to put back in Hugging Face's order.
+MANIFEST = "gguf_blocks.json"
+
+
+def read_manifest(model_dir: Path) -> dict | None:
+    """The converted folder's list of weights held as GGUF blocks ({"source": the GGUF's path,
+    "tensors": {HF name: [GGUF name, rotary heads to un-permute or 0]}}), or None for a folder that
+    holds every weight in fp32."""
+    import json
+
+    path = Path(model_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("tensors"), dict):
+            raise ValueError("no tensors")
+        return manifest
+    except (OSError, ValueError) as e:
+        raise GGUFError(f"{path} cannot be read ({e}): delete the folder {model_dir} and load the .gguf again") from None
+
+
+def rotary_order(rows: int, heads: int) -> np.ndarray:
+    """The GGUF rows that Hugging Face's rows 0 .. rows - 1 are, where llama.cpp interleaved the two
+    halves of each rotary head (see gguf_convert.unpermute_rotary)."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+
+
+def manifest_blocks(gguf: Path, manifest: dict) -> dict[str, NativeWeight]:
+    """HF name (without ``model.``) -> NativeWeight of every weight the manifest lists, read from the
+    file's blocks (memory-mapped; the rows in Hugging Face's order)."""
+    layout = GGUFLayout(Path(gguf))
+    out: dict[str, NativeWeight] = {}
+    for name, (tensor, heads) in manifest["tensors"].items():
+        if tensor not in layout.tensors:
+            raise GGUFError(f"{gguf}: tensor {tensor!r} is missing: the file changed since it was converted; "
+                            "delete the converted folder and load it again")
+        ttype, dims, raw = layout.tensors[tensor]
+        rows = int(np.prod(dims[1:], dtype=np.int64))
+        kind, qs, d, m = native_blocks(ttype, raw.reshape(rows, -1), rows)
+        order = rotary_order(rows, heads) if heads else None
+        keep = kind in ("q4_k", "q6_k")  # the K kinds' minimums and scales are integers
+
+        def pick(a):
+            if a is None:
+                return None
+            return torch.from_numpy(np.ascontiguousarray(a if order is None else a[order]))
+
+        m32 = None if m is None else m if keep else m.astype(np.float32)
+        out[name.removeprefix("model.")] = NativeWeight(kind, rows, dims[0], qs=pick(qs), d=pick(d.astype(np.float32)),
+                                                        m=pick(m32))
+    names = {n.removeprefix("model.") for n in manifest["tensors"]}
+    _notice_unread_types(layout, names | {hf_name(t) for t in layout.tensors if hf_name(t)})
+    return out
+
+
+def dense_of(weight: NativeWeight) -> torch.Tensor:
+    """A block weight's fp32 values [out, in] (gguf-py's dequantisation: the weights the kernels compute with)."""
+    _, qs, d, m = weight.rows
+    as_np = lambda t: None if t is None else t.numpy()  # noqa: E731
+    return torch.from_numpy(dequantize(weight.kind.removesuffix("a8"), as_np(qs), as_np(d), as_np(m)))
+
+
+class BlockTensors(dict):
+    """A model's tensors by name, where the weights held as GGUF blocks (``blocks``) are dequantised
+    to fp32 only when something asks for them (a draft head's training, a torch kernel), then kept.
+    ``held(name)``: whether the fp32 tensor exists already."""
+
+    def __init__(self, dense: dict[str, torch.Tensor], blocks: dict[str, NativeWeight]):
+        super().__init__(dense)
+        self.blocks = {k: v for k, v in blocks.items() if k not in dense}
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        if name not in self.blocks:
+            raise KeyError(name)
+        self[name] = t = dense_of(self.blocks[name])
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in self.blocks
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def held(self, name: str) -> bool:
+        return dict.__contains__(self, name)
+
+    def shape(self, name: str) -> tuple[int, int]:
+        if self.held(name):
+            return tuple(dict.__getitem__(self, name).shape)
+        return self.blocks[name].out_features, self.blocks[name].in_features
+
+
+def manifest_tensors(layout: GGUFLayout, heads_of) -> dict[str, list]:
+    """The entries of a converted folder's MANIFEST: every 2-D weight of the file in a block type the
+    kernels read whole (its rows a multiple of the type's block), by HF name (with ``model.``):
+    [GGUF name, ``heads_of(GGUF name)``: the rotary heads whose rows llama.cpp interleaved, or 0]."""
+    out = {}
+    for name, (ttype, dims, raw) in layout.tensors.items():
+        short = hf_name(name)
+        if ttype not in NATIVE_SOURCES or raw is None or len(dims) != 2 or short is None or not short.endswith(".weight"):
+            continue
+        if dims[0] % (256 if ttype in K_SOURCES else 32):
+            continue
+        out[short if short == "lm_head.weight" else f"model.{short}"] = [name, int(heads_of(name))]
+    return out

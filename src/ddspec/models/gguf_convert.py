@@ -1,4 +1,4 @@
-"""Converting a llama-family GGUF with a byte-level BPE vocabulary into an fp32 Hugging Face folder,
+"""Converting a llama or qwen2 GGUF with a byte-level BPE vocabulary into an fp32 Hugging Face folder,
 without transformers.
 
 transformers can do this (``from_pretrained(gguf_file=...)``), and ddspec falls back to it for any
@@ -7,16 +7,20 @@ transformers' modelling code, gguf-py turning the 49k-token vocabulary and 49k m
 objects three times, and the tokenizer conversion took ~21 s of a ~40 s first command. This
 writes the same folder from one pass over the file (``GGUFLayout``):
 
-- ``config.json``: the llama settings under transformers' names (as its GGUF loader maps them);
+- ``config.json``: the llama (or Qwen2) settings under transformers' names (as its GGUF loader
+  maps them);
 - ``model.safetensors``: each tensor dequantised with gguf-py's formulas (``dequantize_tensor``),
-  q and k rows put back in Hugging Face's order (llama.cpp's converter interleaves the two halves
-  of each rotary head), ``lm_head`` left out when the file has no ``output.weight`` (tied);
-- ``tokenizer.json``: byte-level BPE from ``tokenizer.ggml.tokens`` and ``merges``, control tokens
-  (type 3) added as special tokens and user-defined ones (type 4) as plain added tokens;
+  for llama the q and k rows put back in Hugging Face's order (llama.cpp's converter interleaves the
+  two halves of each rotary head; it leaves qwen2's as they are, see :func:`rotary_heads`), qwen2's
+  q, k and v biases as they are, ``lm_head`` left out when the file has no ``output.weight`` (tied);
+- ``tokenizer.json``: byte-level BPE from ``tokenizer.ggml.tokens`` and ``merges``, split by GPT-2's
+  regex or by Qwen2's (``tokenizer.ggml.pre``), control tokens (type 3) added as special tokens and
+  user-defined ones (type 4) as plain added tokens;
 - ``tokenizer_config.json``, ``chat_template.jinja``, ``generation_config.json``.
 
 tests/test_gguf_convert.py checks the result against transformers' conversion of the default
-model: every weight bit for bit, the config, and the tokenizer on text and chat templates.
+model and of small llama and qwen2 files: every weight bit for bit, the config, and the tokenizer
+on text and chat templates.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ddspec.models.gguf_blocks import NATIVE_SOURCES, GGUFError, GGUFLayout, dequantize, ggml_name, hf_name, native_blocks
+from ddspec.models.gguf_blocks import (MANIFEST, NATIVE_SOURCES, GGUFError, GGUFLayout, dequantize, ggml_name, hf_name,
+                                      manifest_tensors, native_blocks)
 
 
 class NotCovered(Exception):
@@ -35,10 +40,32 @@ class NotCovered(Exception):
 
 # pre-tokenizer names whose split is GPT-2's ByteLevel regex (others need transformers' table)
 _PLAIN_PRE = {None, "default", "gpt2", "smollm"}
+# pre-tokenizer names whose split is Qwen2's regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2, the names
+# transformers' GGUF tokenizer table gives Qwen2's PRETOKENIZE_REGEX)
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"}
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# architectures covered -> whether llama.cpp's converter interleaved the rotary halves of q and k
+# (LlamaModel.permute: llama; Qwen2Model writes them as Hugging Face has them, and transformers'
+# GGUF loader un-permutes only llama's, LlamaTensorProcessor)
+_PERMUTED = {"llama": True, "qwen2": False}
+
+
+def rotary_heads(arch: str, gguf_name: str, cfg: dict) -> int:
+    """The number of heads whose rows (weight or bias) of ``gguf_name`` llama.cpp interleaved per
+    rotary head, to be put back with :func:`unpermute_rotary`; 0 for a tensor left as it is."""
+    if not _PERMUTED.get(arch):
+        return 0
+    if ".attn_q." in gguf_name:
+        return int(cfg["num_attention_heads"])
+    if ".attn_k." in gguf_name:
+        return int(cfg["num_key_value_heads"])
+    return 0
 
 
 def hf_tensor_name(name: str) -> str:
-    """The name a Hugging Face llama checkpoint gives a GGUF tensor."""
+    """The name a Hugging Face llama (or Qwen2) checkpoint gives a GGUF tensor."""
     short = hf_name(name)
     if short is None:
         raise NotCovered(f"tensor {name!r} has no llama counterpart")
@@ -96,6 +123,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _config(meta: dict, tensors: dict, vocab: int) -> dict:
+    """config.json as transformers writes it for the file (LlamaConfig or Qwen2Config)."""
     arch = meta.get("general.architecture")
 
     def get(key, default=None):
@@ -107,6 +135,8 @@ def _config(meta: dict, tensors: dict, vocab: int) -> dict:
     special = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in
                (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                 ("pad_token_id", "padding_token_id"), ("unk_token_id", "unknown_token_id"))}
+    if arch == "qwen2":
+        return _qwen2_config(meta, tensors, vocab, get, special)
     cfg = {
         "_model_name_or_path": meta.get("general.name"),
         "architectures": ["LlamaForCausalLM"],
@@ -138,8 +168,56 @@ def _config(meta: dict, tensors: dict, vocab: int) -> dict:
     return {k: v for k, v in cfg.items() if v is not None or k.endswith("_token_id")}
 
 
+def _qwen2_config(meta: dict, tensors: dict, vocab: int, get, special: dict) -> dict:
+    """Qwen2Config's fields in the order and form transformers saves them: its GGUF loader maps the
+    ``qwen2.*`` keys as llama's but for the rotary dimension (Qwen2Config has no ``head_dim``: it is
+    always hidden / heads, so a file saying otherwise is left to transformers), sets no sliding
+    window (llama.cpp runs qwen2 with full attention in every layer), and writes ``unk_token_id``
+    only when the file has one."""
+    heads, hidden, layers = int(get("attention.head_count")), int(get("embedding_length")), int(get("block_count"))
+    head_dim = get("rope.dimension_count", get("attention.key_length", hidden // heads))
+    if int(head_dim) != hidden // heads or heads * (hidden // heads) != hidden:
+        raise NotCovered(f"a qwen2 head size ({head_dim}) other than hidden / heads")
+    cfg = {
+        "_model_name_or_path": meta.get("general.name"),
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": special["bos_token_id"],
+        "dtype": "float32",
+        "eos_token_id": special["eos_token_id"],
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": int(get("feed_forward_length")),
+        "layer_types": ["full_attention"] * layers,
+        "max_position_embeddings": int(get("context_length", 32768)),
+        "max_window_layers": 28,
+        "model_type": "qwen2",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "pad_token_id": special["pad_token_id"],
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {"rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "default"},
+        "sliding_window": None,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "unk_token_id": special["unk_token_id"],
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": int(get("vocab_size", vocab)),
+    }
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_window")
+    return {k: v for k, v in cfg.items() if v is not None or k in keep}
+
+
 def _tokenizer(meta: dict) -> tuple[dict, dict]:
-    """(tokenizer.json, tokenizer_config.json) of a byte-level BPE vocabulary."""
+    """(tokenizer.json, tokenizer_config.json) of a byte-level BPE vocabulary.
+
+    The split is GPT-2's (ByteLevel's own regex) or, for Qwen2's pre-tokenizer names, Qwen2's: as
+    Qwen2's tokenizer.json has it, NFC first, then the regex (each match isolated), then ByteLevel
+    without its regex. transformers' GGUF tokenizer writes the same split without the NFC
+    normalizer, but the Qwen2Tokenizer that then loads its folder puts NFC back, so text encodes as
+    it does with the model's own tokenizer and with ddspec's transformers fallback."""
     tokens, merges = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.merges")
     types = meta.get("tokenizer.ggml.token_type")
     if merges is None:
@@ -156,9 +234,15 @@ def _tokenizer(meta: dict) -> tuple[dict, dict]:
             added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": kind == 3})
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    normalizer, pre_tokenizer = None, byte_level
+    if meta.get("tokenizer.ggml.pre") in _QWEN2_PRE:
+        normalizer = {"type": "NFC"}
+        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            dict(byte_level, trim_offsets=False, use_regex=False)]}
     tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": byte_level,
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
                            "special_tokens": {}},
@@ -177,6 +261,20 @@ def _tokenizer(meta: dict) -> tuple[dict, dict]:
     return tok, tok_cfg
 
 
+def _check_biases(arch: str, tensors: dict) -> None:
+    """Qwen2's attention has q, k and v biases (Qwen2ForCausalLM always has them), llama's none: a
+    qwen2 file without them, or a file with any other bias, is left to transformers."""
+    biases = {name for name in tensors if name.endswith(".bias")}
+    if arch == "qwen2":
+        layers = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+        wanted = {f"blk.{i}.{part}.bias" for i in layers for part in ("attn_q", "attn_k", "attn_v")}
+        if wanted - biases:
+            raise NotCovered(f"a qwen2 file without the bias {sorted(wanted - biases)[0]!r}")
+        biases -= wanted
+    if biases:
+        raise NotCovered(f"tensor {sorted(biases)[0]!r} (a bias {arch} has no place for)")
+
+
 def convert(gguf: Path, out: Path) -> None:
     """Write the fp32 HF folder of ``gguf`` into ``out`` (an empty folder); raises NotCovered for
     a file this converter does not handle (the caller then uses transformers')."""
@@ -184,10 +282,12 @@ def convert(gguf: Path, out: Path) -> None:
 
     layout = GGUFLayout(gguf, strings=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
     meta = layout.metadata
-    if meta.get("general.architecture") != "llama":
-        raise NotCovered(f"architecture {meta.get('general.architecture')!r}")
-    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in _PLAIN_PRE:
+    arch = meta.get("general.architecture")
+    if arch not in _PERMUTED:
+        raise NotCovered(f"architecture {arch!r}")
+    if meta.get("tokenizer.ggml.model") != "gpt2" or meta.get("tokenizer.ggml.pre") not in _PLAIN_PRE | _QWEN2_PRE:
         raise NotCovered(f"tokenizer {meta.get('tokenizer.ggml.model')!r}/{meta.get('tokenizer.ggml.pre')!r}")
+    _check_biases(arch, layout.tensors)
     if meta.get("tokenizer.ggml.add_bos_token") or meta.get("tokenizer.ggml.add_eos_token"):
         raise NotCovered("a tokenizer that adds BOS/EOS")
     unknown = layout.unknown_types()
@@ -198,16 +298,21 @@ def convert(gguf: Path, out: Path) -> None:
                         "re-quantize it to a common type (e.g. llama-quantize ... Q8_0)")
     cfg = _config(meta, layout.tensors, len(meta["tokenizer.ggml.tokens"]))
     tok, tok_cfg = _tokenizer(meta)
+    # the weights the kernels read as blocks stay in the GGUF file (listed in MANIFEST), the rest in fp32
+    held = manifest_tensors(layout, lambda name: rotary_heads(arch, name, cfg))
+    in_blocks = {tensor for tensor, _ in held.values()}
     weights = {}
     for name, (ttype, dims, raw) in layout.tensors.items():
         hf = hf_tensor_name(name)
+        if name in in_blocks:
+            continue
         w = dequantize_tensor(ttype, dims, raw)
-        if ".attn_q." in name:
-            w = unpermute_rotary(w, cfg["num_attention_heads"])
-        elif ".attn_k." in name:
-            w = unpermute_rotary(w, cfg["num_key_value_heads"])
+        if heads := rotary_heads(arch, name, cfg):
+            w = unpermute_rotary(w, heads)
         weights[hf] = np.ascontiguousarray(w, dtype=np.float32)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = {"source": str(Path(gguf).resolve()), "tensors": held}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(dict(gen, use_cache=True), indent=2) + "\n")

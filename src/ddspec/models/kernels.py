@@ -79,8 +79,16 @@ class Weight:
 
     __slots__ = ("out_features", "in_features", "io", "oi", "packed", "native")
 
-    def __init__(self, w_oi: torch.Tensor, kernels: set[str], native=None) -> None:
-        """native: the weight's NativeWeight for the ``native`` kernel (GGUF blocks); None = its fp32 values."""
+    def __init__(self, w_oi: torch.Tensor | None, kernels: set[str], native=None) -> None:
+        """native: the weight's NativeWeight for the ``native`` kernel (GGUF blocks); None = its fp32 values.
+        w_oi may be None where ``native`` is given and it is the only kernel (no fp32 values kept)."""
+        if w_oi is None:
+            if native is None or kernels != {"native"}:
+                raise ValueError("a weight without fp32 values runs on its GGUF blocks alone (kernel 'native')")
+            self.out_features, self.in_features = native.out_features, native.in_features
+            self.io = self.oi = self.packed = None
+            self.native = native
+            return
         self.out_features, self.in_features = w_oi.shape
         self.io = w_oi.t().contiguous() if "mm" in kernels else None  # [in, out]
         self.oi = w_oi.contiguous() if "linear" in kernels else None  # [out, in]

@@ -103,9 +103,14 @@ class LlamaLayer:
         self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
         self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
         native = native_parts(blocks, kernels)
-        self.qkv, self.o, self.gate_up, self.down = (  # stacked where several (no copy of a single one)
-            Weight(w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names]), kernels, native(names))
-            for names in stacked_names(prefix))
+
+        def weight(names: list[str]) -> Weight:  # stacked where several (no copy of a single one)
+            blocks_of = native(names)
+            if blocks_of is not None and kernels == {"native"}:  # the blocks alone: no fp32 values needed
+                return Weight(None, kernels, blocks_of)
+            return Weight(w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names]), kernels, blocks_of)
+
+        self.qkv, self.o, self.gate_up, self.down = (weight(names) for names in stacked_names(prefix))
         self.qkv_bias = (
             torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
         )
@@ -332,19 +337,35 @@ class LlamaWeights:
     @classmethod
     def prepare(cls, weights: dict[str, torch.Tensor], hf_config: dict, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32, gguf=None, activations: str = "fp32",
-                name: str | None = None) -> "LlamaWeights":
+                name: str | None = None, manifest: dict | None = None) -> "LlamaWeights":
         """gguf: the GGUF file these weights were dequantised from, if any: the ``native`` kernel
         then reads its blocks (Q4_0 .. Q8_0, the K types: exactly the same weights, fewer bytes).
+        manifest: the weights held only as that file's blocks (gguf_blocks.read_manifest; they are
+        missing from ``weights`` and dequantised only where something asks for their fp32 values).
         activations: ``fp32``, or ``int8``: those blocks multiply activations rounded to 8 bits per
         block of 32 (as llama.cpp does; native/kernels/q4_1.c): faster, most at
         several rows, and a slightly different model (plain and speculative decoding share it); its
         KV cache holds fp16 (see :func:`kv_cache_dtype`). name: the model's, for messages."""
+        from ddspec.models.gguf_blocks import BlockTensors, manifest_blocks
+
         device = torch.device(device)
         arch = LlamaArch.from_hf_config(hf_config)
         w = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in weights.items()}
-        tied = arch.tie_embeddings or "lm_head.weight" not in w
         on_kernels = gguf is not None and device.type == "cpu" and dtype == torch.float32  # the native kernel's case
-        blocks = read_gguf_blocks(gguf, w) if on_kernels else {}
+        if manifest is not None:
+            from ddspec import native
+
+            held = manifest_blocks(Path(gguf or manifest["source"]), manifest)
+            if not (on_kernels and native.available()):  # no kernels to read them: every weight in fp32 now
+                from ddspec.models.gguf_blocks import dense_of
+
+                w.update({k: dense_of(v).to(device=device, dtype=dtype) for k, v in held.items()})
+                held = {}
+            blocks = held
+        else:
+            blocks = read_gguf_blocks(gguf, w) if on_kernels else {}
+        w = BlockTensors(w, blocks)
+        tied = arch.tie_embeddings or "lm_head.weight" not in w
         return cls(arch, dict(hf_config), w, device, dtype, activations, blocks,
                    activation_blocks(blocks, activations, name), "embed_tokens.weight" if tied else "lm_head.weight")
 
@@ -393,18 +414,20 @@ class NativeLlama:
         self.info, self.tokenizer = info, tokenizer
         self.device, self.dtype = parts.device, parts.dtype
         w = parts.tensors
-        self.embed_tokens = w["embed_tokens.weight"]  # [V, H]
+        self._tensors, self._head_name = w, parts.head_name  # embeddings and lm_head: fp32 when asked (see embed)
         self.norm = w["norm.weight"]
         self._final_norm_c = (self.norm.float().contiguous(), float(self.arch.rms_eps))  # the native forward's own
-        self._lm_head_oi = parts.head  # [V, H] (the embeddings when tied: no copy)
         self.activations = parts.activations
         compute, head_name = parts.compute, parts.head_name  # what the target multiplies with
         self.layer_plan, self.head_plan = plans
         self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
                        for i in range(self.arch.num_layers)]
-        self.lm_head_w = Weight(parts.head, self.head_plan.needed, compute.get(head_name))
-        # the layers hold their (stacked) blocks now; keep only the lm_head's, for draft lm_heads
-        self.blocks = {k: v for k, v in parts.blocks.items() if k == head_name}
+        head_blocks = compute.get(head_name)
+        only_blocks = head_blocks is not None and self.head_plan.needed == {"native"}
+        self.lm_head_w = Weight(None if only_blocks else parts.head, self.head_plan.needed, head_blocks)
+        # the layers hold their (stacked) blocks now; keep the lm_head's (for draft lm_heads) and the
+        # embeddings' (rows looked up from them while their fp32 values are not needed elsewhere)
+        self.blocks = {k: v for k, v in parts.blocks.items() if k in (head_name, "embed_tokens.weight")}
         self.rotary = Rotary(self.arch, self.device, self.dtype)
         self.cache: StaticKVCache | None = None
         self.kv_dtype = kv_cache_dtype(parts.activations, self.dtype, self.device)
@@ -458,7 +481,23 @@ class NativeLlama:
         self.cache.truncate(length)
 
     # -- shared pieces -------------------------------------------------------------------
+    @property
+    def embed_tokens(self) -> torch.Tensor:
+        """The embeddings [V, H] in fp32 (dequantised on first use where the model holds them as GGUF blocks)."""
+        return self._tensors["embed_tokens.weight"]
+
+    @property
+    def _lm_head_oi(self) -> torch.Tensor:
+        """The lm_head [V, H] in fp32 (the embeddings when tied: no copy)."""
+        return self._tensors[self._head_name]
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        blocks = self.blocks.get("embed_tokens.weight")
+        if blocks is not None and not self._tensors.held("embed_tokens.weight"):  # only these rows, from the blocks
+            from ddspec.models.gguf_blocks import dense_of
+
+            flat = tokens.reshape(-1).cpu()
+            return dense_of(blocks.select(flat)).to(self.device).reshape(*tokens.shape, -1)
         return self.embed_tokens[tokens]
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
@@ -482,7 +521,7 @@ class NativeLlama:
 
         blocks = self.lm_head_w.native if self.lm_head_w.native is not None else None
         if blocks is None or blocks.kind not in INT8_ACTIVATIONS:
-            blocks = self.blocks.get("embed_tokens.weight" if self._lm_head_oi is self.embed_tokens else "lm_head.weight")
+            blocks = self.blocks.get(self._head_name)
         if blocks is None:
             return None
         return blocks if rows is None else blocks.select(rows.cpu())

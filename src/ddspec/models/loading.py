@@ -48,17 +48,23 @@ def default_gguf_path() -> Path:
     return path
 
 
+# the converted folders' layout: 2 = the block weights stay in the GGUF (gguf_blocks.MANIFEST)
+CONVERTED_LAYOUT = 2
+
+
 def _gguf_cache_dir(gguf: Path, name: str | None = None) -> Path:
     from ddspec.models.gguf_blocks import file_key
 
-    return cache_root() / "models" / f"{name or gguf.stem}-{file_key(gguf)}"
+    return cache_root() / "models" / f"{name or gguf.stem}-{file_key(gguf)}-{CONVERTED_LAYOUT}"
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF into an fp32 HF folder at ``out_dir`` (atomically). Returns out_dir."""
+    """Convert a GGUF into a HF folder at ``out_dir`` (atomically): config, tokenizer and the tensors
+    in fp32, but for the weights the native kernels read as blocks, which stay in the GGUF file
+    (gguf_convert.convert). Returns out_dir."""
     if (out_dir / "config.json").is_file():
         return out_dir
-    print(f"ddspec: converting {gguf.name} to safetensors once, into {out_dir}", file=sys.stderr)
+    print(f"ddspec: converting {gguf.name} once (config, tokenizer, fp32 tensors), into {out_dir}", file=sys.stderr)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
@@ -174,9 +180,14 @@ def read_config(model_dir: Path) -> dict:
         raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {e}") from e
 
 
-def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF folder (safetensors shards or pytorch_model*.bin)."""
+def load_weights(model_dir: Path, blocks: bool = True) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder (safetensors shards or pytorch_model*.bin). A folder converted from
+    a GGUF keeps the weights the kernels read in the GGUF file (gguf_blocks.MANIFEST): with
+    ``blocks`` those are dequantised to fp32 here too (what the HF implementation needs); without,
+    they are left out (the native target reads them from the file)."""
     from safetensors.torch import load_file
+
+    from ddspec.models.gguf_blocks import dense_of, manifest_blocks, read_manifest
 
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
@@ -192,6 +203,10 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
             weights.update(loader(f))
         except Exception as e:  # noqa: BLE001
             raise ModelLoadError(f"cannot read weights file {f}: {type(e).__name__}: {e}") from e
+    manifest = read_manifest(model_dir)
+    if blocks and manifest is not None:
+        for name, weight in manifest_blocks(Path(manifest["source"]), manifest).items():
+            weights[name if name == "lm_head.weight" else f"model.{name}"] = dense_of(weight)
     return weights
 
 
@@ -280,8 +295,11 @@ def load_native_target(model_dir: Path, cfg: dict, info: ModelInfo, tokenizer, d
     from ddspec.models import tuning
     from ddspec.models.llama import LlamaWeights, NativeLlama
 
-    parts = LlamaWeights.prepare(load_weights(model_dir), cfg, device=device, dtype=dtype, gguf=gguf,
-                                 activations=activations, name=info.name)
+    from ddspec.models.gguf_blocks import read_manifest
+
+    manifest = read_manifest(model_dir)
+    parts = LlamaWeights.prepare(load_weights(model_dir, blocks=False), cfg, device=device, dtype=dtype, gguf=gguf,
+                                 activations=activations, name=info.name, manifest=manifest)
     model = NativeLlama(parts, info, tokenizer, tuning.choose_plans(parts))
     tuning.tune(model, parts)
     return model
@@ -306,9 +324,23 @@ def load_hf_target(model_dir: Path, info: ModelInfo, tokenizer, device: str, dty
 
     from ddspec.models.hf_adapter import HFTarget
 
+    from ddspec.models.gguf_blocks import read_manifest
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, KeyError, OSError) as e:
+        if read_manifest(model_dir) is None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        else:  # weights held as GGUF blocks: the model from its config, then every weight dequantised
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            weights = load_weights(model_dir)
+            if config.tie_word_embeddings:
+                weights.pop("lm_head.weight", None)
+            model.load_state_dict(weights, strict=not config.tie_word_embeddings)
+            if config.tie_word_embeddings:
+                model.tie_weights()
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
         raise ModelLoadError(
             f"transformers cannot load {model_dir} (architecture {info.family!r}): {str(e)[:300]}"
         ) from e

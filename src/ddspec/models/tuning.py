@@ -115,7 +115,7 @@ def _plans(parts: LlamaWeights) -> tuple[KernelPlan, KernelPlan]:
 
     names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    layer_shapes = [list(w[f"layers.0.{n}.weight"].shape) for n in names]
+    layer_shapes = [list(w.shape(f"layers.0.{n}.weight")) for n in names]
     variant = ",".join(sorted({f"{b.kind}" for b in blocks.values()}))  # which GGUF blocks the native kernel reads
     layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, parts.device, parts.dtype, layers, variant)
     head_plan = choose_plan("lm_head", [list(head.shape)], parts.device, parts.dtype,

@@ -46,7 +46,7 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-
 # about 2.5): 11.8-12.1 s, the three parts of that single file 11.0-11.4 s: each file's run parses
 # the intrinsics headers again (about 0.2 s of CPU), whichever runs compile the files (two runs each
 # compiling its files in turn took the same wall time as eight, under heavier load)
-UNITS = ("q4_1.c", "q8_0.c", "q4_k.c", "q6_k.c", "half.c", "f32.c", "attention.c", "layers.c", "gemm.c", "misc.c")
+UNITS = ("q4_1.c", "q8_0.c", "q4_k.c", "q6_k.c", "q5_1.c", "half.c", "f32.c", "attention.c", "layers.c", "gemm.c", "misc.c")
 
 # (the CPU flags needed, the compiler flags): VEX-encoded 256-bit AVX-VNNI (Zen 5, Alder Lake, Sapphire
 # Rapids), else AVX-512 VNNI on 256-bit registers (Ice Lake, Zen 4)

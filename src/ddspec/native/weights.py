@@ -16,8 +16,8 @@ import torch
 from ddspec.native.lib import CWeight, library
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6,
-         "q4_k": 7, "q6_k": 8, "q4_ka8": 9, "q6_ka8": 10}
-INT8_ACTIVATIONS = {"q4_1": "q4_1a8", "q8_0": "q8_0a8", "q4_k": "q4_ka8", "q6_k": "q6_ka8"}
+         "q4_k": 7, "q6_k": 8, "q4_ka8": 9, "q6_ka8": 10, "q5_1": 11, "q5_1a8": 12}
+INT8_ACTIVATIONS = {"q4_1": "q4_1a8", "q8_0": "q8_0a8", "q4_k": "q4_ka8", "q6_k": "q6_ka8", "q5_1": "q5_1a8"}
 K_KINDS = ("q4_k", "q6_k", "q4_ka8", "q6_ka8")  # super-blocks of 256 inputs (GGUF's K types)
 HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -31,9 +31,9 @@ class NativeWeight:
     ``q4_k`` (levels 0..15) and ``q6_k`` (any K type's levels, int8): ``qs`` int8 [out, in] (the
     levels in input order), ``d`` float32 [out, in/256, 2] (each super-block's d and dmin), ``m``
     int8 [out, in/32, 3] (per block of 32 inputs the scale of its first and last 16 inputs and its
-    minimum; both scales equal for ``q4_k``): w = d * sc * q - dmin * m. Kinds ``q4_1a8`` /
-    ``q8_0a8`` / ``q4_ka8`` / ``q6_ka8`` hold the same blocks, multiplied with 8-bit activations
-    (see :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
+    minimum; both scales equal for ``q4_k``): w = d * sc * q - dmin * m; ``q5_1``: ``qs`` int8
+    [out, in] (levels 0..31), ``d``/``m`` float32 [out, in/32]: w = d * q + m. The kinds ending in
+    ``a8`` hold the same blocks, multiplied with 8-bit activations (see :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
     taking subsets of outputs.
     """
 
@@ -93,7 +93,8 @@ class NativeWeight:
 
     def with_int8_activations(self) -> "NativeWeight":
         """This block weight multiplying activations rounded to 8 bits per block of 32
-        (kinds ``q4_1a8`` / ``q8_0a8`` / ``q4_ka8`` / ``q6_ka8``; see native/kernels/); other kinds unchanged."""
+        (kinds ``q4_1a8`` / ``q8_0a8`` / ``q4_ka8`` / ``q6_ka8`` / ``q5_1a8``; see native/kernels/); other
+        kinds unchanged."""
         kind = INT8_ACTIVATIONS.get(self.kind)
         if kind is None:
             return self
@@ -201,6 +202,9 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
         q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16] values 0..15
         levels = _nibbles(q, kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]  # [G, nb, 16]
+    elif kind in ("q5_1", "q5_1a8"):  # 8-bit levels 0..31 under fp16 d and -m (kernels/kquant.h)
+        levels = _bytes8(grouped(qs.reshape(out, inp).view(torch.int8)), kind, groups, nb)
+        head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(-m, "minimums").reshape(out, nb))]
     else:
         levels = _bytes8(grouped(qs.reshape(out, inp).view(torch.int8)), kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb))]

@@ -113,7 +113,7 @@ typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, co
 
 /* whether a kind's blocks have minimums, whose term needs the rows' fp32 block sums */
 static inline int a8_minimums(int64_t kind) {
-    return kind == DD_Q4_1_A8 || kind == DD_Q4_K_A8 || kind == DD_Q6_K_A8;
+    return kind == DD_Q4_1_A8 || kind == DD_Q4_K_A8 || kind == DD_Q6_K_A8 || kind == DD_Q5_1_A8;
 }
 
 /* a8_gemm's buffers: the rounded rows qx, their scales dx and block sums sx (one allocation), and

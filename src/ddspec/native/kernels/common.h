@@ -46,7 +46,7 @@
 #include <sched.h>
 
 enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8 = 5, DD_Q8_0_A8 = 6,
-       DD_Q4_K = 7, DD_Q6_K = 8, DD_Q4_K_A8 = 9, DD_Q6_K_A8 = 10 };
+       DD_Q4_K = 7, DD_Q6_K = 8, DD_Q4_K_A8 = 9, DD_Q6_K_A8 = 10, DD_Q5_1 = 11, DD_Q5_1_A8 = 12 };
 
 /* A weight W [out, in] packed in groups of 16 outputs (G = ceil(out / 16) groups; padding
  * outputs hold zeros), so that one 8-lane vector holds 8 outputs' weights at one input k:
@@ -61,7 +61,7 @@ enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8
  *   DD_Q4_1_A8, DD_Q8_0_A8: the same blocks with the levels in another order, multiplied with
  *            activations rounded to 8 bits (integer sums; see DD_Q4_1_A8 and DD_Q8_0_A8 below)
  *   DD_Q4_K, DD_Q6_K (and their _A8 twins): GGUF's K types, super-blocks of 256 inputs whose
- *            scales are in d (see kquant.h)
+ *            scales are in d; DD_Q5_1 (_A8): 5-bit levels with an fp16 scale and minimum (kquant.h)
  * The kernel broadcasts x[r, k] and accumulates one FMA per k into each output's lane, in
  * order of k (per block for the quantised kinds, see levels_at): the sum an output gets depends neither on how many rows nor on how many
  * outputs share a pass (nor on the threads), so a row's result is the same bit for bit
@@ -108,6 +108,8 @@ DD_HIDDEN void dd_mm_q4_k(const dd_weight *W, const float *x, int64_t n, float *
 DD_HIDDEN void dd_mm_q6_k(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_HIDDEN void dd_mm_q4_ka8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_HIDDEN void dd_mm_q6_ka8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_HIDDEN void dd_mm_q5_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_HIDDEN void dd_mm_q5_1a8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 
 /* The weight kinds' table (gemm.c, dd_kinds): adding a kind adds its file, one row there and its
  * dd_mm_ function above. block_bytes: one group's block of 32 inputs (0: a dense kind, any width);
@@ -120,7 +122,7 @@ typedef struct {
     int block_bytes;
     int unit;
 } dd_kind_ops;
-enum { DD_KINDS = 11 };
+enum { DD_KINDS = 13 };
 extern DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS];
 /* y (+)= x @ W^T for any kind, through dd_kinds (an unknown kind as fp32, as before the table) */
 DD_HIDDEN void dd_matmul(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);

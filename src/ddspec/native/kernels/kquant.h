@@ -1,5 +1,6 @@
-/* The K block kinds (GGUF's Q4_K, Q5_K, Q6_K and Q3_K weights), with fp32 activations and with 8-bit
- * ones, as macros that q4_k.c and q6_k.c instantiate.
+/* The K block kinds (GGUF's Q4_K, Q5_K, Q6_K and Q3_K weights), and Q5_1 (whose 5-bit levels take
+ * the same passes), with fp32 activations and with 8-bit ones, as macros that q4_k.c, q6_k.c and
+ * q5_1.c instantiate.
  *
  * A K-type tensor is made of super-blocks of 256 inputs: per super-block an fp16 scale d (and, for
  * Q4_K / Q5_K, an fp16 dmin), and per sub-block of 32 (Q4_K, Q5_K) or 16 inputs (Q6_K, Q3_K) a small
@@ -17,7 +18,10 @@
  *            bytes, then the levels as int8 (byte 16k + o = q(o, k)): Q6_K's q - 32, Q3_K's signed
  *            3-bit levels, Q5_K's 0..31, or Q4_K's 0..15 where a Q4_K weight is stacked with one of
  *            those (q|k|v with a Q6_K v): every K type fits it exactly;
- *   DD_Q4_K_A8, DD_Q6_K_A8: the same headers, the levels in DD_Q4_1_A8's / DD_Q8_0_A8's quad order.
+ *   DD_Q5_1: 576 bytes: 16 d, 16 -m (fp16, as the file's d and m: exact), then the levels 0..31
+ *            as DD_Q6_K's (w = d * q + m: one scale per 32 inputs, no side array);
+ *   DD_Q4_K_A8, DD_Q6_K_A8, DD_Q5_1_A8: the same headers, the levels in DD_Q4_1_A8's / DD_Q8_0_A8's
+ *            quad order.
  *
  * Per block and output the kernel sums x * q over each sub-block with one scale (32 inputs, or
  * 16 twice), from zero in order of k, then t = fma(fl(d * sc), s, t) per sub-block and
@@ -31,14 +35,14 @@
 #include "a8.h"
 
 #define K_NIBBLES(K) ((K) == DD_Q4_K || (K) == DD_Q4_K_A8)
+#define K_FP16(K) ((K) == DD_Q5_1 || (K) == DD_Q5_1_A8) /* fp16 scales per block, no super-block */
 #define K_BYTES(K) (K_NIBBLES(K) ? 288 : 576)
-#define K_LEVELS(K) (K_NIBBLES(K) ? 32 : 64) /* where the levels start */
-#define K_MINS(K) (K_NIBBLES(K) ? 16 : 32)   /* where the 16 minimums are */
-#define K_HALVES(K) (!K_NIBBLES(K))          /* a scale per 16 inputs */
+#define K_MINS(K) (K_NIBBLES(K) ? 16 : 32)          /* where the 16 minimums are */
+#define K_HALVES(K) (!K_NIBBLES(K) && !K_FP16(K))   /* a scale per 16 inputs */
 
-/* group g's super-block scales for block b: 16 d, then 16 dmin */
+/* group g's super-block scales for block b: 16 d, then 16 dmin (NULL for DD_Q5_1: none) */
 static inline __attribute__((always_inline)) const float *k_super(const dd_weight *W, int64_t g, int64_t b) {
-    return W->d + (g * (W->in / 256) + (b >> 3)) * 32;
+    return W->d ? W->d + (g * (W->in / 256) + (b >> 3)) * 32 : NULL;
 }
 
 /* fl(d * sc) for 8 outputs: p the 8 int8 scales, d their super-block scales (exact: see above) */
@@ -67,20 +71,31 @@ static inline __attribute__((always_inline)) void k_levels(int64_t kind, const u
     }
 }
 
+/* the scales of sub-block h, outputs 8o .. 8o + 7 */
+static inline __attribute__((always_inline)) __m256 k_scale(int64_t kind, const uint8_t *blk, const float *sup, int h, int o) {
+    if (K_FP16(kind)) return half8(blk + 16 * o);
+    return k_scale8(blk + (K_HALVES(kind) ? 16 * h : 0) + 8 * o, sup + 8 * o);
+}
+
+/* the minimums (as subtracted), outputs 8o .. 8o + 7: DD_Q5_1 keeps -m in fp16 (exact) */
+static inline __attribute__((always_inline)) __m256 k_min(int64_t kind, const uint8_t *blk, const float *sup, int o) {
+    if (K_FP16(kind)) return half8(blk + 32 + 16 * o);
+    return k_min8(blk + K_MINS(kind) + 8 * o, sup + 16 + 8 * o);
+}
+
 /* t[0..16) (in memory) = fma(scale, s, t) for sub-block h's scales of block blk */
 static inline __attribute__((always_inline)) void k_scaled(int64_t kind, const uint8_t *blk, const float *sup, int h,
                                                            __m256 s0, __m256 s1, float *t) {
-    const uint8_t *sc = blk + (K_HALVES(kind) ? 16 * h : 0);
-    _mm256_store_ps(t, _mm256_fmadd_ps(k_scale8(sc, sup), s0, _mm256_load_ps(t)));
-    _mm256_store_ps(t + 8, _mm256_fmadd_ps(k_scale8(sc + 8, sup + 8), s1, _mm256_load_ps(t + 8)));
+    _mm256_store_ps(t, _mm256_fmadd_ps(k_scale(kind, blk, sup, h, 0), s0, _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(k_scale(kind, blk, sup, h, 1), s1, _mm256_load_ps(t + 8)));
 }
 
 /* t[0..16) = t - fl(dmin * m) * sx: the block's minimums */
 static inline __attribute__((always_inline)) void k_minimum(int64_t kind, const uint8_t *blk, const float *sup,
                                                             float sxv, float *t) {
     const __m256 sx = _mm256_set1_ps(sxv);
-    _mm256_store_ps(t, _mm256_fnmadd_ps(k_min8(blk + K_MINS(kind), sup + 16), sx, _mm256_load_ps(t)));
-    _mm256_store_ps(t + 8, _mm256_fnmadd_ps(k_min8(blk + K_MINS(kind) + 8, sup + 24), sx, _mm256_load_ps(t + 8)));
+    _mm256_store_ps(t, _mm256_fnmadd_ps(k_min(kind, blk, sup, 0), sx, _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fnmadd_ps(k_min(kind, blk, sup, 1), sx, _mm256_load_ps(t + 8)));
 }
 
 /* fp32 activations: rows [0, R) of x against groups [g, g + G), per sub-block 2 R G running sums in
@@ -163,10 +178,10 @@ static inline __attribute__((always_inline)) void k_minimum(int64_t kind, const 
 /* 8-bit activations: t[0..16) += fl(fl(d * sc) * dx) * s for sub-block h (s: integer sums) */
 static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, const uint8_t *blk, const float *sup, int h,
                                                               float dxv, __m256i s0, __m256i s1, float *t) {
-    const uint8_t *sc = blk + (K_HALVES(kind) ? 16 * h : 0);
     const __m256 dx = _mm256_set1_ps(dxv);
-    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(k_scale8(sc, sup), dx), _mm256_load_ps(t)));
-    _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(k_scale8(sc + 8, sup + 8), dx),
+    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(k_scale(kind, blk, sup, h, 0), dx),
+                                       _mm256_load_ps(t)));
+    _mm256_store_ps(t + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(k_scale(kind, blk, sup, h, 1), dx),
                                            _mm256_load_ps(t + 8)));
 }
 

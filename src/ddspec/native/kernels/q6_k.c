@@ -1,5 +1,5 @@
 /* Q6_K weights, and every K type in 8-bit levels (Q5_K, Q3_K, and Q4_K stacked with them): a scale
- * per 16 inputs and a minimum per 32 under fp32 super-block scales, with fp32 activations
+ * per 16 inputs and a minimum per 32 under each super-block's d and dmin, with fp32 activations
  * (dd_mm_q6_k) and 8-bit ones (dd_mm_q6_ka8); the passes are kquant.h's. */
 #include "kquant.h"
 
