@@ -150,3 +150,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def return_free_memory() -> None:
+    """Hand the memory freed so far back to the system (glibc keeps freed heap memory for reuse: after
+    loading a 1.5B-parameter GGUF, whose conversion buffers are freed, 4.9 GB resident instead of 1.9).
+    Nothing where the C library has no malloc_trim."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

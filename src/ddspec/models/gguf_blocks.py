@@ -460,9 +460,10 @@ def rotary_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def manifest_blocks(gguf: Path, manifest: dict) -> dict[str, NativeWeight]:
+def manifest_blocks(gguf: Path, manifest: dict, notice: bool = True) -> dict[str, NativeWeight]:
     """HF name (without ``model.``) -> NativeWeight of every weight the manifest lists, read from the
-    file's blocks (memory-mapped; the rows in Hugging Face's order)."""
+    file's blocks (memory-mapped; the rows in Hugging Face's order); with ``notice``, the one-line
+    notice of the file's weights in types the kernels do not read."""
     layout = GGUFLayout(Path(gguf))
     out: dict[str, NativeWeight] = {}
     for name, (tensor, heads) in manifest["tensors"].items():
@@ -483,8 +484,8 @@ def manifest_blocks(gguf: Path, manifest: dict) -> dict[str, NativeWeight]:
         m32 = None if m is None else m if keep else m.astype(np.float32)
         out[name.removeprefix("model.")] = NativeWeight(kind, rows, dims[0], qs=pick(qs), d=pick(d.astype(np.float32)),
                                                         m=pick(m32))
-    names = {n.removeprefix("model.") for n in manifest["tensors"]}
-    _notice_unread_types(layout, names | {hf_name(t) for t in layout.tensors if hf_name(t)})
+    if notice:
+        _notice_unread_types(layout, {hf_name(t) for t in layout.tensors if hf_name(t)})
     return out
 
 
@@ -496,22 +497,23 @@ def dense_of(weight: NativeWeight) -> torch.Tensor:
 
 
 class BlockTensors(dict):
-    """A model's tensors by name, where the weights held as GGUF blocks (``blocks``) are dequantised
-    to fp32 only when something asks for them (a draft head's training, a torch kernel), then kept.
-    ``held(name)``: whether the fp32 tensor exists already."""
+    """A model's tensors by name, where the weights held as GGUF blocks are dequantised to fp32 only
+    when something asks for them (a draft head's training, a torch kernel), then kept. ``lazy``:
+    name -> (shape, a function giving the fp32 tensor; it reads the blocks from the file again, so
+    that nothing holds them meanwhile). ``held(name)``: whether the fp32 tensor exists already."""
 
-    def __init__(self, dense: dict[str, torch.Tensor], blocks: dict[str, NativeWeight]):
+    def __init__(self, dense: dict[str, torch.Tensor], lazy: dict[str, tuple[tuple[int, int], object]] | None = None):
         super().__init__(dense)
-        self.blocks = {k: v for k, v in blocks.items() if k not in dense}
+        self.lazy = {k: v for k, v in (lazy or {}).items() if k not in dense}
 
     def __missing__(self, name: str) -> torch.Tensor:
-        if name not in self.blocks:
+        if name not in self.lazy:
             raise KeyError(name)
-        self[name] = t = dense_of(self.blocks[name])
+        self[name] = t = self.lazy[name][1]()
         return t
 
     def __contains__(self, name: object) -> bool:
-        return dict.__contains__(self, name) or name in self.blocks
+        return dict.__contains__(self, name) or name in self.lazy
 
     def get(self, name, default=None):
         return self[name] if name in self else default
@@ -520,9 +522,18 @@ class BlockTensors(dict):
         return dict.__contains__(self, name)
 
     def shape(self, name: str) -> tuple[int, int]:
-        if self.held(name):
-            return tuple(dict.__getitem__(self, name).shape)
-        return self.blocks[name].out_features, self.blocks[name].in_features
+        return tuple(dict.__getitem__(self, name).shape) if self.held(name) else self.lazy[name][0]
+
+
+def lazy_dense(gguf: Path, manifest: dict, blocks: dict[str, NativeWeight]) -> dict[str, tuple[tuple[int, int], object]]:
+    """BlockTensors' ``lazy`` for the manifest's weights: each dequantised from the file when asked."""
+    def reader(full: str):
+        return lambda: dense_of(manifest_blocks(gguf, {"tensors": {full: manifest["tensors"][full]}}, notice=False)[
+            full.removeprefix("model.")])
+
+    return {name.removeprefix("model."): ((blocks[name.removeprefix("model.")].out_features,
+                                           blocks[name.removeprefix("model.")].in_features), reader(name))
+            for name in manifest["tensors"]}
 
 
 def manifest_tensors(layout: GGUFLayout, heads_of) -> dict[str, list]:

@@ -346,25 +346,28 @@ class LlamaWeights:
         block of 32 (as llama.cpp does; native/kernels/q4_1.c): faster, most at
         several rows, and a slightly different model (plain and speculative decoding share it); its
         KV cache holds fp16 (see :func:`kv_cache_dtype`). name: the model's, for messages."""
-        from ddspec.models.gguf_blocks import BlockTensors, manifest_blocks
+        from ddspec.models.gguf_blocks import BlockTensors, lazy_dense, manifest_blocks
 
         device = torch.device(device)
         arch = LlamaArch.from_hf_config(hf_config)
         w = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in weights.items()}
         on_kernels = gguf is not None and device.type == "cpu" and dtype == torch.float32  # the native kernel's case
+        lazy = None
         if manifest is not None:
             from ddspec import native
 
-            held = manifest_blocks(Path(gguf or manifest["source"]), manifest)
+            source = Path(gguf or manifest["source"])
+            blocks = manifest_blocks(source, manifest)
             if not (on_kernels and native.available()):  # no kernels to read them: every weight in fp32 now
                 from ddspec.models.gguf_blocks import dense_of
 
-                w.update({k: dense_of(v).to(device=device, dtype=dtype) for k, v in held.items()})
-                held = {}
-            blocks = held
+                w.update({k: dense_of(v).to(device=device, dtype=dtype) for k, v in blocks.items()})
+                blocks = {}
+            else:
+                lazy = lazy_dense(source, manifest, blocks)
         else:
             blocks = read_gguf_blocks(gguf, w) if on_kernels else {}
-        w = BlockTensors(w, blocks)
+        w = BlockTensors(w, lazy)
         tied = arch.tie_embeddings or "lm_head.weight" not in w
         return cls(arch, dict(hf_config), w, device, dtype, activations, blocks,
                    activation_blocks(blocks, activations, name), "embed_tokens.weight" if tied else "lm_head.weight")
@@ -437,6 +440,15 @@ class NativeLlama:
             from ddspec.native import layer_array
 
             self._layer_array = layer_array([layer.fused for layer in self.layers])
+
+    def release_rows(self) -> None:
+        """Drop the row layout of the C layers' weights once they are packed (the lm_head's and the
+        embeddings' blocks stay whole: draft heads select from them)."""
+        for layer in self.layers:
+            if layer.fused is not None:
+                for w in (layer._qkv_native, layer.qkv.native, layer.o.native, layer.gate_up.native, layer.down.native):
+                    if w.rows is not None and all(w is not b for b in self.blocks.values()):
+                        w.release_rows()
 
     @property
     def native_layers(self) -> bool:

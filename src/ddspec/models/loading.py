@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ddspec.errors import ModelLoadError
-from ddspec.machine import cache_root
+from ddspec.machine import cache_root, return_free_memory
 from ddspec.models.base import SUPPORTED_NATIVE_FAMILIES, ModelInfo
 
 DEFAULT_MODEL = "default"
@@ -302,6 +302,9 @@ def load_native_target(model_dir: Path, cfg: dict, info: ModelInfo, tokenizer, d
                                  activations=activations, name=info.name, manifest=manifest)
     model = NativeLlama(parts, info, tokenizer, tuning.choose_plans(parts))
     tuning.tune(model, parts)
+    model.release_rows()
+    del parts
+    return_free_memory()
     return model
 
 

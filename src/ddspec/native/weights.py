@@ -55,6 +55,13 @@ class NativeWeight:
             self._packed = _pack(self.kind, self.out_features, self.in_features, *self.rows)
         return self._packed
 
+    def release_rows(self) -> None:
+        """Keep only the packed layout (a loaded model's layer weights: their row layout, about a byte
+        a weight for the block kinds, is needed only to stack, select or re-kind them); nothing to
+        do for a weight not packed yet."""
+        if self._packed is not None:
+            self.rows = None
+
     @property
     def struct(self) -> CWeight:
         if self._struct is None:
