@@ -92,7 +92,7 @@ def k_int8_reference(weight, x: torch.Tensor) -> torch.Tensor:
     out, inp = weight.out_features, weight.in_features
     nb = inp // 32
     if weight.kind == "q5_1":  # as a K weight with d = 1, sc = the block's d and dmin * m = -m
-        d, m = torch.stack([torch.ones(out, nb // 8), torch.ones(out, nb // 8)], -1), torch.stack([d, d, -m], -1)
+        d, m = torch.stack([torch.ones(out, nb // 8), torch.ones(out, nb // 8)], -1), torch.stack([d, d, -m, 0 * d], -1)
     xb = x.float().reshape(x.shape[0], nb, 32)
     mx = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))
@@ -111,7 +111,9 @@ def k_int8_reference(weight, x: torch.Tensor) -> torch.Tensor:
 def test_k_int8_activations_compute_their_integer_arithmetic(qtype):
     weight, dense = k_weight(qtype, 40, 512, seed=int(qtype) + 1)
     fast = weight.with_int8_activations()
-    assert fast.kind == weight.kind + "a8" and fast.nbytes == weight.nbytes
+    assert fast.kind == weight.kind + "a8"
+    # bytes per group and block of 32 inputs: 4-bit levels (q4_k), bytes (fp32 activations), 6 bits (8-bit ones)
+    assert (weight.packed[1].shape[-1], fast.packed[1].shape[-1]) == ((288, 288) if qtype == T.Q4_K else (576, 448))
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(1))
     x[2, 32:64] = 0.0  # an all-zero block: scale 0
     x[5, 7] = 40.0  # one large value: the rest of its block rounds coarsely
@@ -155,7 +157,7 @@ def test_a_q4_k_weight_stacks_with_a_q6_k_one_in_8_bit_levels():
 def test_a_k_weight_needs_whole_super_blocks():
     with pytest.raises(ValueError, match="multiple of 256"):
         native.NativeWeight("q4_k", 16, 288, qs=torch.zeros(16, 288, dtype=torch.int8),
-                            d=torch.zeros(16, 1, 2), m=torch.zeros(16, 9, 3, dtype=torch.int8))
+                            d=torch.zeros(16, 1, 2), m=torch.zeros(16, 9, 4, dtype=torch.int8))
 
 
 def _write(path, tensors):
@@ -208,7 +210,7 @@ def k_quantise(w: torch.Tensor, kind: str) -> native.NativeWeight:
         mn = (low / dmin.repeat_interleave(8, 1)).round().clamp(0, 63)
         step, shift = (sc * d.repeat_interleave(8, 1)).unsqueeze(-1), (mn * dmin.repeat_interleave(8, 1)).unsqueeze(-1)
         q = ((b + shift) / step).round().clamp(0, 15)
-        m = torch.stack([sc, sc, mn], -1)
+        m = torch.stack([sc, sc, mn, torch.zeros_like(mn)], -1)
     else:
         b = w.reshape(out, nb * 2, 16)
         span = b.abs().amax(-1) / 31  # [out, nb * 2]
@@ -216,7 +218,7 @@ def k_quantise(w: torch.Tensor, kind: str) -> native.NativeWeight:
         dmin = torch.zeros_like(d)
         sc = (span / d.repeat_interleave(16, 1)).round().clamp(1, 127)
         q = (b / (sc * d.repeat_interleave(16, 1)).unsqueeze(-1)).round().clamp(-32, 31)
-        m = torch.stack([sc[:, 0::2], sc[:, 1::2], torch.zeros_like(sc[:, 0::2])], -1)
+        m = torch.stack([sc[:, 0::2], sc[:, 1::2], torch.zeros_like(sc[:, 0::2]), torch.full_like(sc[:, 0::2], 32)], -1)
     return native.NativeWeight(kind, out, inp, qs=q.reshape(out, inp).to(torch.int8),
                                d=torch.stack([d, dmin], -1), m=m.to(torch.int8))
 

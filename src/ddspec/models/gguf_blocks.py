@@ -114,8 +114,9 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def k_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A K-type tensor (Q3_K, Q4_K, Q5_K, Q6_K; ggml-common.h's block_qN_K) -> (levels int8 [rows, in]
-    in input order, d float32 [rows, in/256, 2] (each super-block's d and dmin), m int8 [rows, in/32, 3]
-    (per block of 32 inputs the scales of inputs 0-15 and 16-31 and the minimum)): the weight is
+    in input order, d float32 [rows, in/256, 2] (each super-block's d and dmin), m int8 [rows, in/32, 4]
+    (per block of 32 inputs the scales of inputs 0-15 and 16-31, the minimum, and the zero point that
+    makes the levels unsigned: 32 for Q6_K, 4 for Q3_K, 0 for the others)): the weight is
     fl(d * sc) * q - fl(dmin * m), as gguf-py dequantises it."""
     size = {11: 110, 12: 144, 13: 176, 14: 210}[ttype]
     b = raw.reshape(rows, -1, size)
@@ -149,8 +150,9 @@ def k_blocks(ttype: int, raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.nda
             scales = ((lo.reshape(rows, n, 16) & 0x0F) | ((hi.reshape(rows, n, 16) & 3) << 4)).astype(np.int8) - 32
             d = halves(b[..., 108:110])
         levels, dmin, mn = q.astype(np.int8), np.zeros_like(d), np.zeros((rows, n, 8), dtype=np.uint8)
-    m = np.stack([scales[..., 0::2], scales[..., 1::2], mn], axis=-1).astype(np.int8)  # [rows, n, 8, 3]
-    return levels.reshape(rows, -1), np.stack([d, dmin], axis=-1), m.reshape(rows, n * 8, 3)
+    zero = np.full_like(mn, {14: 32, 11: 4}.get(ttype, 0))  # makes the levels q + z unsigned (6 bits)
+    m = np.stack([scales[..., 0::2], scales[..., 1::2], mn, zero], axis=-1).astype(np.int8)  # [rows, n, 8, 4]
+    return levels.reshape(rows, -1), np.stack([d, dmin], axis=-1), m.reshape(rows, n * 8, 4)
 
 
 def dequantize(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> np.ndarray:

@@ -428,6 +428,8 @@ class NativeLlama:
         head_blocks = compute.get(head_name)
         only_blocks = head_blocks is not None and self.head_plan.needed == {"native"}
         self.lm_head_w = Weight(None if only_blocks else parts.head, self.head_plan.needed, head_blocks)
+        if self.lm_head_w.native is not None:  # packed now, not in the first answer's prefill
+            _ = self.lm_head_w.native.struct
         # the layers hold their (stacked) blocks now; keep the lm_head's (for draft lm_heads) and the
         # embeddings' (rows looked up from them while their fp32 values are not needed elsewhere)
         self.blocks = {k: v for k, v in parts.blocks.items() if k in (head_name, "embed_tokens.weight")}

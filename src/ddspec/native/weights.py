@@ -30,8 +30,9 @@ class NativeWeight:
     float32 [out, in/32]; ``q8_0``: ``qs`` int8 [out, in/32, 32], ``d`` [out, in/32]; the K kinds
     ``q4_k`` (levels 0..15) and ``q6_k`` (any K type's levels, int8): ``qs`` int8 [out, in] (the
     levels in input order), ``d`` float32 [out, in/256, 2] (each super-block's d and dmin), ``m``
-    int8 [out, in/32, 3] (per block of 32 inputs the scale of its first and last 16 inputs and its
-    minimum; both scales equal for ``q4_k``): w = d * sc * q - dmin * m; ``q5_1``: ``qs`` int8
+    int8 [out, in/32, 4] (per block of 32 inputs the scale of its first and last 16 inputs, its
+    minimum, and the zero point z that makes the levels q + z unsigned (32 for Q6_K, 4 for Q3_K, else
+    0); both scales equal for ``q4_k``): w = d * sc * q - dmin * m; ``q5_1``: ``qs`` int8
     [out, in] (levels 0..31), ``d``/``m`` float32 [out, in/32]: w = d * q + m. The kinds ending in
     ``a8`` hold the same blocks, multiplied with 8-bit activations (see :meth:`with_int8_activations`). The row layout is kept (``rows``) for stacking weights and
     taking subsets of outputs.
@@ -209,8 +210,9 @@ def _pack(kind: str, out: int, inp: int, w, qs, d, m) -> tuple:
         q = grouped(torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(out, inp))  # [G, in, 16] values 0..15
         levels = _nibbles(q, kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(m, "minimums").reshape(out, nb))]  # [G, nb, 16]
-    elif kind in ("q5_1", "q5_1a8"):  # 8-bit levels 0..31 under fp16 d and -m (kernels/kquant.h)
-        levels = _bytes8(grouped(qs.reshape(out, inp).view(torch.int8)), kind, groups, nb)
+    elif kind in ("q5_1", "q5_1a8"):  # levels 0..31 (bytes, or 6 bits with 8-bit activations) under fp16 d and -m
+        q = grouped(qs.reshape(out, inp).view(torch.uint8))
+        levels = _bits6(q, kind, groups, nb) if kind.endswith("a8") else _bytes8(q.view(torch.int8), kind, groups, nb)
         head = [grouped(_half(d, "scales").reshape(out, nb)), grouped(_half(-m, "minimums").reshape(out, nb))]
     else:
         levels = _bytes8(grouped(qs.reshape(out, inp).view(torch.int8)), kind, groups, nb)
@@ -240,11 +242,22 @@ def _bytes8(q: torch.Tensor, kind: str, groups: int, nb: int) -> torch.Tensor:
     return q.reshape(groups, nb, 512)
 
 
+def _bits6(u: torch.Tensor, kind: str, groups: int, nb: int) -> torch.Tensor:
+    """Levels 0..63 grouped [G, in, 16] -> the 6-bit kinds' level bytes [G, nb, 384] (8-bit
+    activations): their low nibbles as :func:`_nibbles` gives them, then per quad of 4 inputs 16
+    bytes whose byte b holds in bits 2s, 2s + 1 the high 2 bits of the level b + 16 s of the quad's
+    64 (outputs 0-7 then 8-15, byte 4o + j each: the order k_levels_a8 rebuilds)."""
+    low = _nibbles(u & 0x0F, kind, groups, nb)
+    t = (u >> 4).reshape(groups, nb, 8, 4, 2, 8).permute(0, 1, 2, 4, 5, 3).reshape(groups, nb, 8, 4, 16)
+    packed = t[:, :, :, 0] | (t[:, :, :, 1] << 2) | (t[:, :, :, 2] << 4) | (t[:, :, :, 3] << 6)  # [G, nb, 8, 16]
+    return torch.cat([low, packed.reshape(groups, nb, 128)], dim=-1)
+
+
 def _pack_k(kind: str, out: int, inp: int, qs, d, m, grouped) -> tuple:
     """The K kinds (kernels/kquant.h): per (group, block of 32 inputs) the small integer scales and
     minimums then the levels, and the super-blocks' d / dmin as a side array [G, in/256, 32]."""
     groups, nb = -(-out // GROUP), inp // 32
-    sc = m.view(torch.int8).reshape(out, nb, 3)
+    sc = m.view(torch.int8).reshape(out, nb, 4)
     levels = grouped(qs.reshape(out, inp).view(torch.int8))  # [G, in, 16]
     head = [grouped(sc[..., 0].contiguous()), grouped(sc[..., 2].contiguous())]  # scale, minimum: [G, nb, 16]
     if kind.startswith("q4_k"):
@@ -254,8 +267,15 @@ def _pack_k(kind: str, out: int, inp: int, qs, d, m, grouped) -> tuple:
             raise ValueError("a q4_k weight's levels are 0..15")
         body = _nibbles(levels.view(torch.uint8), kind, groups, nb)
     else:
-        head = [head[0], grouped(sc[..., 1].contiguous()), head[1], torch.zeros_like(head[1])]
-        body = _bytes8(levels, kind, groups, nb)
+        zero = grouped(sc[..., 3].contiguous())  # [G, nb, 16]
+        head = [head[0], grouped(sc[..., 1].contiguous()), head[1], zero]
+        if kind.endswith("a8"):  # u = q + z in 0..63 (a byte's wrap-around gives it exactly)
+            u = (levels.view(torch.uint8).reshape(groups, nb, 32, GROUP) + zero.view(torch.uint8).unsqueeze(2))
+            if u.max() > 63:
+                raise ValueError("a q6_k weight's levels plus their zero points are 0..63")
+            body = _bits6(u.reshape(groups, inp, GROUP), kind, groups, nb)
+        else:
+            body = _bytes8(levels, kind, groups, nb)
     blocks = torch.cat([h.view(torch.uint8) for h in head] + [body], dim=-1).contiguous()
     side = torch.cat([grouped(d[..., 0].float().contiguous()), grouped(d[..., 1].float().contiguous())], dim=-1)
     return None, blocks, side.contiguous(), None

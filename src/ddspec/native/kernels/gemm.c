@@ -14,9 +14,9 @@ DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS] = {
     [DD_Q4_K] = {"q4_k", dd_mm_q4_k, 288, 256},
     [DD_Q6_K] = {"q6_k", dd_mm_q6_k, 576, 256},
     [DD_Q4_K_A8] = {"q4_ka8", dd_mm_q4_ka8, 288, 256},
-    [DD_Q6_K_A8] = {"q6_ka8", dd_mm_q6_ka8, 576, 256},
+    [DD_Q6_K_A8] = {"q6_ka8", dd_mm_q6_ka8, 448, 256},
     [DD_Q5_1] = {"q5_1", dd_mm_q5_1, 576, 32},
-    [DD_Q5_1_A8] = {"q5_1a8", dd_mm_q5_1a8, 576, 32},
+    [DD_Q5_1_A8] = {"q5_1a8", dd_mm_q5_1a8, 448, 32},
 };
 
 /* y [n, out] (+)= x [n, in] @ W^T; output groups are shared among the threads of the enclosing

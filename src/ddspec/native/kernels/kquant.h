@@ -14,14 +14,18 @@
  * 32 inputs a header of small integers then the levels:
  *   DD_Q4_K: 288 bytes: 16 sc (int8), 16 m (uint8), then the 4-bit levels as DD_Q4_1's (byte
  *            8k + j = q(output j, k) | q(output j + 8, k) << 4);
- *   DD_Q6_K: 576 bytes: 16 sc of inputs 0-15, 16 sc of inputs 16-31 (int8), 16 m (uint8), 16 zero
- *            bytes, then the levels as int8 (byte 16k + o = q(o, k)): Q6_K's q - 32, Q3_K's signed
- *            3-bit levels, Q5_K's 0..31, or Q4_K's 0..15 where a Q4_K weight is stacked with one of
- *            those (q|k|v with a Q6_K v): every K type fits it exactly;
+ *   DD_Q6_K: 576 bytes: 16 sc of inputs 0-15, 16 sc of inputs 16-31 (int8), 16 m, 16 zero points z
+ *            (uint8, used by DD_Q6_K_A8), then the levels q as int8 (byte 16k + o = q(o, k)): Q6_K's
+ *            q - 32 (z 32), Q3_K's signed 3-bit levels (z 4), Q5_K's 0..31 or Q4_K's 0..15 where a
+ *            Q4_K weight is stacked with one of those (q|k|v with a Q6_K v; z 0): every K type fits
+ *            it exactly;
  *   DD_Q5_1: 576 bytes: 16 d, 16 -m (fp16, as the file's d and m: exact), then the levels 0..31
  *            as DD_Q6_K's (w = d * q + m: one scale per 32 inputs, no side array);
- *   DD_Q4_K_A8, DD_Q6_K_A8, DD_Q5_1_A8: the same headers, the levels in DD_Q4_1_A8's / DD_Q8_0_A8's
- *            quad order.
+ *   DD_Q4_K_A8: DD_Q4_K's header, the levels per quad of 4 inputs as DD_Q4_1_A8's;
+ *   DD_Q6_K_A8, DD_Q5_1_A8: 448 bytes: the same headers, then 6-bit levels u = q + z (7 bits a
+ *            weight where DD_Q6_K takes 9; the file's Q6_K 6.56): per quad of 4 inputs their low
+ *            nibbles in DD_Q4_1_A8's order and their high 2 bits (see k_levels_a8). With fp32
+ *            activations the bytes are cheaper to turn into floats, with 8-bit ones the bits are.
  *
  * Per block and output the kernel sums x * q over each sub-block with one scale (32 inputs, or
  * 16 twice), from zero in order of k, then t = fma(fl(d * sc), s, t) per sub-block and
@@ -36,7 +40,9 @@
 
 #define K_NIBBLES(K) ((K) == DD_Q4_K || (K) == DD_Q4_K_A8)
 #define K_FP16(K) ((K) == DD_Q5_1 || (K) == DD_Q5_1_A8) /* fp16 scales per block, no super-block */
-#define K_BYTES(K) (K_NIBBLES(K) ? 288 : 576)
+#define K_A8(K) ((K) == DD_Q4_K_A8 || (K) == DD_Q6_K_A8 || (K) == DD_Q5_1_A8)
+#define K_BYTES(K) (K_NIBBLES(K) ? 288 : K_A8(K) ? 448 : 576)
+#define K_ZERO(K) ((K) == DD_Q6_K_A8) /* 6-bit levels stored as q + z, z per output */
 #define K_MINS(K) (K_NIBBLES(K) ? 16 : 32)          /* where the 16 minimums are */
 #define K_HALVES(K) (!K_NIBBLES(K) && !K_FP16(K))   /* a scale per 16 inputs */
 
@@ -57,7 +63,8 @@ static inline __attribute__((always_inline)) __m256 k_min8(const uint8_t *p, con
     return _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_loadu_ps(dmin));
 }
 
-/* the levels of input k for outputs 0-7 (q0) and 8-15 (q1), as floats */
+/* the levels of input k for outputs 0-7 (q0) and 8-15 (q1), as floats: 4-bit ones (q4_k) or signed
+ * bytes (the 8-bit layouts with fp32 activations) */
 static inline __attribute__((always_inline)) void k_levels(int64_t kind, const uint8_t *blk, int64_t k, __m256 *q0,
                                                            __m256 *q1) {
     if (K_NIBBLES(kind)) {
@@ -175,6 +182,39 @@ static inline __attribute__((always_inline)) void k_minimum(int64_t kind, const 
         free(sx);                                                                                   \
     }
 
+/* 8-bit activations: the zero points as bytes in the levels' order (zv[0]: byte 4o + j = z of output
+ * o, zv[1]: of output o + 8) */
+static inline __attribute__((always_inline)) void k_zeros_a8(int64_t kind, const uint8_t *blk, __m256i *zv) {
+    if (K_ZERO(kind)) {
+        const __m256i z = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        zv[0] = _mm256_shuffle_epi8(z, _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5,
+                                                        6, 6, 6, 6, 7, 7, 7, 7));
+        zv[1] = _mm256_shuffle_epi8(z, _mm256_setr_epi8(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11, 12, 12, 12,
+                                                        12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15));
+    } else {
+        zv[0] = zv[1] = _mm256_setzero_si256();
+    }
+}
+
+/* 8-bit activations, 6-bit levels of quad i (inputs 4i .. 4i + 3): w0 byte 4o + j = level of output
+ * o, w1 of output o + 8, less z (signed where the kind has zero points, else 0..63). Stored per quad
+ * as the low nibbles in DD_Q4_1_A8's order (32 bytes), then 16 bytes of high 2-bit pairs: bits
+ * 2s, 2s + 1 of byte b belong to level b + 16 s of the 64 (w0's 32 bytes, then w1's). */
+static inline __attribute__((always_inline)) void k_levels_a8(int64_t kind, const uint8_t *blk, int i, const __m256i *zv,
+                                                              __m256i *w0, __m256i *w1) {
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i));
+    const __m256i H = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 320 + 16 * i)));
+    const __m256i h0 = _mm256_and_si256(_mm256_sllv_epi64(H, _mm256_setr_epi64x(4, 4, 2, 2)), top);
+    const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi64(H, _mm256_setr_epi64x(0, 0, 2, 2)), top);
+    *w0 = _mm256_or_si256(_mm256_and_si256(L, low), h0);
+    *w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), low), h1);
+    if (K_ZERO(kind)) {
+        *w0 = _mm256_sub_epi8(*w0, zv[0]);
+        *w1 = _mm256_sub_epi8(*w1, zv[1]);
+    }
+}
+
 /* 8-bit activations: t[0..16) += fl(fl(d * sc) * dx) * s for sub-block h (s: integer sums) */
 static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, const uint8_t *blk, const float *sup, int h,
                                                               float dxv, __m256i s0, __m256i s1, float *t) {
@@ -201,6 +241,8 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
             const float *sup = k_super(W, g, b);                                                    \
             for (int l = 0; l < BYTES; l += 64) _mm_prefetch((const char *)blk + A8_AHEAD * BYTES + l, _MM_HINT_T0); \
             PREFETCH_AHEAD(R, blk, BYTES);                                                          \
+            __m256i zv[2];                                                                          \
+            k_zeros_a8(KIND_ID, blk, zv);                                                           \
             _Pragma("GCC unroll 2") for (int h = 0; h < SUBS; h++) {                                \
                 __m256i s0[R], s1[R];                                                               \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
@@ -216,13 +258,14 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
                             __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */   \
                         }                                                                           \
                     } else {                                                                        \
-                        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 64 + 64 * i)); \
-                        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 96 + 64 * i)); \
-                        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);           \
+                        __m256i w0, w1;                                                             \
+                        k_levels_a8(KIND_ID, blk, i, zv, &w0, &w1);                                 \
+                        const __m256i a0 = K_ZERO(KIND_ID) ? _mm256_abs_epi8(w0) : w0;              \
+                        const __m256i a1 = K_ZERO(KIND_ID) ? _mm256_abs_epi8(w1) : w1;              \
                         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
                             const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                \
-                            s0[r] = a8_acc32(s0[r], a0, _mm256_sign_epi8(xb, w0));                  \
-                            s1[r] = a8_acc32(s1[r], a1, _mm256_sign_epi8(xb, w1));                  \
+                            s0[r] = a8_acc32(s0[r], a0, K_ZERO(KIND_ID) ? _mm256_sign_epi8(xb, w0) : xb); \
+                            s1[r] = a8_acc32(s1[r], a1, K_ZERO(KIND_ID) ? _mm256_sign_epi8(xb, w1) : xb); \
                             __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                 \
                         }                                                                           \
                     }                                                                               \
