@@ -36,7 +36,7 @@ class H(BaseHTTPRequestHandler):
         else:
             n = req["n_predict"]
             self._send(200, {{"tokens": list(range(100, 100 + n)), "stop_type": "limit",
-                             "timings": {{"prompt_ms": 4.0, "predicted_ms": 2.0 * n}}}})
+                             "timings": {{"prompt_ms": 4.0, "predicted_ms": 2.0 * n, "predicted_n": n}}}})
 HTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
 
@@ -57,13 +57,26 @@ def test_the_arm_sends_prompt_ids_and_reads_llama_cpps_own_timings(fake_server, 
         plain = arm.generate([1, 2, 3], max_new_tokens=5)
         assert plain.output_ids == [100, 101, 102, 103, 104] and plain.finish_reason == "length"
         assert plain.wall_s == pytest.approx(0.014)
+        assert plain.decoding == (5, pytest.approx(0.010))  # its decoding alone, as it reports it
         stopped = arm.generate([7, 8], max_new_tokens=5)
         assert stopped.output_ids == [5, 6, 2] and stopped.finish_reason == "eos"  # EOS counted, as every arm does
-        assert stopped.wall_s == pytest.approx(0.030)
+        assert stopped.wall_s == pytest.approx(0.030) and stopped.decoding is None  # no predicted_n: not reported
         assert len(arm.generate(list(range(60)), max_new_tokens=50).output_ids) == 4  # the context window's budget
     finally:
         arm.close()
     assert arm.proc.poll() is not None
+
+
+def test_decoding_alone_is_reported_beside_the_rate_with_prefill():
+    from ddspec.bench.report import decoding_rate, method_metrics
+
+    ours = {"new_tokens": 11, "wall_time": 0.2, "decode_tokens": 10, "decode_ms": 100.0, "output_ids": [1] * 11,
+            "accept_lengths": [], "tree_sizes": [], "decoding_steps": None}
+    theirs = dict(ours, decode_tokens=11, decode_ms=50.0)
+    assert decoding_rate([ours]) == pytest.approx(100.0) and decoding_rate([theirs]) == pytest.approx(220.0)
+    assert decoding_rate([dict(ours, decode_ms=None)]) is None  # an arm that does not report it
+    row = method_metrics([ours, ours], None, greedy=True)
+    assert row["tokens_per_s"] == pytest.approx(55.0) and row["decode_tokens_per_s"] == pytest.approx(100.0)
 
 
 def test_a_bad_server_path_is_named(tmp_path, monkeypatch):

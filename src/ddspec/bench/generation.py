@@ -15,3 +15,5 @@ class Generation:
     wall_s: float  # the whole call, prefill included
     finish_reason: str  # eos | length
     steps: list[StepStats] | None  # None: the arm does not expose its decoding steps
+    # an arm without steps that reports its decoding time alone (llama.cpp's server): (tokens, seconds)
+    decoding: tuple[int, float] | None = None

@@ -93,7 +93,10 @@ class LlamaServerArm:
             ids.append(min(self.eos_ids))  # EOS counts as a generated token, as in every other arm
         timings = out.get("timings", {})
         wall = (float(timings.get("prompt_ms", 0.0)) + float(timings.get("predicted_ms", 0.0))) / 1000.0
-        return Generation(ids, wall, finish, None)
+        decoding = None
+        if timings.get("predicted_n") and timings.get("predicted_ms"):  # its own decoding alone
+            decoding = (int(timings["predicted_n"]), float(timings["predicted_ms"]) / 1000.0)
+        return Generation(ids, wall, finish, None, decoding)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -135,6 +135,14 @@ def losslessness(records: list[Record], baseline: list[Record]) -> tuple[int, in
     return sum(mine == theirs for mine, theirs in pairs), len(pairs)
 
 
+def decoding_rate(records: list[Record]) -> float | None:
+    """Tokens/s of the decoding alone, prefill excluded: the tokens after the first over the decoding
+    steps' time (llama.cpp's server: its own predicted tokens and milliseconds)."""
+    rs = [r for r in records if r.get("decode_ms")]
+    ms = sum(r["decode_ms"] for r in rs)
+    return 1e3 * sum(r["decode_tokens"] for r in rs) / ms if ms else None
+
+
 def method_metrics(records: list[Record], baseline: list[Record] | None, greedy: bool) -> dict:
     """Every number of one table row."""
     row = {
@@ -142,6 +150,7 @@ def method_metrics(records: list[Record], baseline: list[Record] | None, greedy:
         "new_tokens": sum(r["new_tokens"] for r in records),
         "wall_time": sum(r["wall_time"] for r in records),
         "tokens_per_s": throughput(records),
+        "decode_tokens_per_s": decoding_rate(records),
         "speedup": speedup(records, baseline) if baseline else None,
         "tau": tau(records),
         "tau_histogram": tau_histogram(records),
@@ -201,8 +210,8 @@ def _lossless_cell(row: dict, method: str, baseline: str, greedy: bool) -> str:
     return cell + " (own Q weights)" if method == "llama.cpp" else cell
 
 
-TABLE_HEAD = ("| method | gens | tokens | tokens/s | speedup | τ | tree size | draft ms/step | verify ms/step "
-              "| lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+TABLE_HEAD = ("| method | gens | tokens | tokens/s | decoding tokens/s | speedup | τ | tree size | draft ms/step "
+              "| verify ms/step | lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def render_table(group: dict[str, dict], baseline: str, greedy: bool) -> str:
@@ -211,7 +220,7 @@ def render_table(group: dict[str, dict], baseline: str, greedy: bool) -> str:
         speed = "1.00x" if method == baseline and row["tokens_per_s"] else _num(row["speedup"], ".2f", "x")
         lines.append(
             f"| {method} | {row['generations']} | {row['new_tokens']} | {_num(row['tokens_per_s'], '.1f')} "
-            f"| {speed} | {_num(row['tau'], '.2f')} | {_num(row['tree_size'], '.1f')} "
+            f"| {_num(row.get('decode_tokens_per_s'), '.1f')} | {speed} | {_num(row['tau'], '.2f')} | {_num(row['tree_size'], '.1f')} "
             f"| {_num(row['draft_ms'], '.1f')} | {_num(row['verify_ms'], '.1f')} "
             f"| {_lossless_cell(row, method, baseline, greedy)} |"
         )

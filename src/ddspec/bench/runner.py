@@ -309,6 +309,10 @@ def make_record(prompt: Prompt, turn: int, method: str, prompt_ids: list[int], r
         "predicted_tokens": sum(s.predicted_tokens for s in steps) if steps else None,
         "predicted_ms": sum(s.predicted_ms for s in steps) if steps else None,
         "step_ms": sum(s.draft_ms + s.verify_ms + s.gap_ms for s in steps) if steps else None,
+        # decoding alone (prefill excluded): our decoding steps, or what the arm reports (llama.cpp's server)
+        "decode_tokens": len(rep.output_ids) - 1 if steps else rep.decoding[0] if rep.decoding else None,
+        "decode_ms": (sum(s.draft_ms + s.verify_ms + s.gap_ms for s in steps) if steps
+                      else 1e3 * rep.decoding[1] if rep.decoding else None),
         "output_ids": rep.output_ids,
     }
 
