@@ -150,8 +150,26 @@ def test_a_q4_k_weight_stacks_with_a_q6_k_one_in_8_bit_levels():
         tol = 1e-5 if w is stacked else 3e-2
         assert ((y.double() - ref).norm() / ref.norm()).item() <= tol
     assert ((stacked(x)[:, :32] - q(x)).abs().max() / q(x).abs().max()).item() <= 1e-5
-    with pytest.raises(ValueError, match="stacked"):
-        native.concat([q, native.NativeWeight.q8_0(dv)])
+
+
+@needs_kernels
+def test_weights_whose_kinds_share_no_layout_stack_as_parts():
+    """q|k|v with a Q5_1 q and k and a Q8_0 v (a "Q5_K_M" file's layers): one matmul whose parts keep
+    their own kinds, each output bit for bit its own weight's, with a bias, in both activation modes."""
+    q, _ = k_weight(T.Q5_1, 32, 256, seed=3)
+    v, dv = k_weight(T.Q6_K, 16, 256, seed=4)
+    v8 = native.NativeWeight.q8_0(dv)
+    stacked = native.concat([q, v8])
+    assert stacked.kind == "stack" and stacked.out_features == 48
+    bias = torch.randn(48)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    for a8 in (False, True):
+        w = stacked.with_int8_activations() if a8 else stacked
+        parts = [p.with_int8_activations() if a8 else p for p in (q, v8)]
+        y = w.with_bias(bias)(x)
+        assert torch.equal(y[:, :32], parts[0].with_bias(bias[:32])(x))
+        assert torch.equal(y[:, 32:], parts[1].with_bias(bias[32:])(x))
+        assert torch.equal(w(x)[2:3], w(x[2:3]))
 
 
 def test_a_k_weight_needs_whole_super_blocks():
@@ -259,3 +277,34 @@ def test_every_method_is_lossless_on_k_blocks(k_dir, method, activations, monkey
     for prompt in PROMPTS[:2]:
         ref = Engine(target).generate(prompt, stop).token_ids
         assert Engine(target, eagle(target, method)).generate(prompt, stop).token_ids == ref
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_every_method_is_lossless_with_stacks_of_several_kinds(tiny_dirs, activations, monkeypatch):
+    """A target whose q and k are Q5_1, v Q8_0 and the rest Q4_1: q|k|v runs as one stack of parts,
+    and every method's greedy output equals plain decoding."""
+    from ddspec.config import StopConfig
+    from ddspec.engine import Engine
+    from ddspec.models import llama, loading
+    from ddspec.models.loading import load_target
+    from test_spec_engine import PROMPTS, eagle
+
+    def block(name, t):
+        w = t.float().contiguous().numpy()
+        qtype = T.Q5_1 if ("q_proj" in name or "k_proj" in name) else T.Q8_0 if "v_proj" in name else T.Q4_1
+        kind, qs, d, m = native_blocks(int(qtype), gguf.quantize(w, qtype), w.shape[0])
+        return native.NativeWeight(kind, *w.shape, qs=torch.from_numpy(np.ascontiguousarray(qs)),
+                                   d=torch.from_numpy(d.astype(np.float32)),
+                                   m=None if m is None else torch.from_numpy(m.astype(np.float32)))
+
+    monkeypatch.setattr(llama, "read_gguf_blocks", lambda path, weights: {
+        n: block(n, t) for n, t in weights.items() if t.dim() == 2 and t.shape[1] % 32 == 0 and "embed" not in n})
+    monkeypatch.setattr(loading, "_gguf_source", lambda spec: "blocks.gguf")
+    monkeypatch.setenv("DDSPEC_KERNEL", "native")
+    target = load_target(str(tiny_dirs["llama"]), impl="native", activations=activations)
+    assert target.layers[0].qkv.native.kind == "stack"
+    stop = StopConfig(max_new_tokens=24, stop_on_eos=False)
+    for method in ("chain", "ddspec"):
+        ref = Engine(target).generate(PROMPTS[0], stop).token_ids
+        assert Engine(target, eagle(target, method)).generate(PROMPTS[0], stop).token_ids == ref

@@ -139,10 +139,10 @@ def native_parts(blocks: dict | None, kernels: set[str]):
     def parts(names: list[str]):
         if "native" not in kernels or not blocks or any(n not in blocks for n in names):
             return None
-        from ddspec.native.weights import concat, stacked_kind
+        from ddspec.native.weights import concat
 
         found = [blocks[n] for n in names]
-        return found[0] if len(found) == 1 else concat(found) if stacked_kind(b.kind for b in found) else None
+        return found[0] if len(found) == 1 else concat(found)
     return parts
 
 

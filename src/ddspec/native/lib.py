@@ -24,7 +24,7 @@ class CWeight(ctypes.Structure):
 
     _fields_ = [("kind", ctypes.c_int64), ("out", ctypes.c_int64), ("inp", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("parts", ctypes.c_void_p), ("nparts", ctypes.c_int64)]
 
 
 class CLayer(ctypes.Structure):

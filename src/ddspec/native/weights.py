@@ -16,7 +16,7 @@ import torch
 from ddspec.native.lib import CWeight, library
 
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2, "f16": 3, "bf16": 4, "q4_1a8": 5, "q8_0a8": 6,
-         "q4_k": 7, "q6_k": 8, "q4_ka8": 9, "q6_ka8": 10, "q5_1": 11, "q5_1a8": 12}
+         "q4_k": 7, "q6_k": 8, "q4_ka8": 9, "q6_ka8": 10, "q5_1": 11, "q5_1a8": 12, "stack": 13}
 INT8_ACTIVATIONS = {"q4_1": "q4_1a8", "q8_0": "q8_0a8", "q4_k": "q4_ka8", "q6_k": "q6_ka8", "q5_1": "q5_1a8"}
 K_KINDS = ("q4_k", "q6_k", "q4_ka8", "q6_ka8")  # super-blocks of 256 inputs (GGUF's K types)
 HALVES = {"f16": torch.float16, "bf16": torch.bfloat16}
@@ -307,11 +307,56 @@ def stacked_kind(kinds) -> str | None:
 
 
 def concat(weights: list[NativeWeight]) -> NativeWeight:
-    """Weights of one input width stacked along the outputs (q|k|v, gate|up), of one kind or of
-    kinds :func:`stacked_kind` joins."""
+    """Weights of one input width stacked along the outputs (q|k|v, gate|up): one weight where their
+    kinds can share one (:func:`stacked_kind`), else a :class:`StackedWeight` of the parts as they are."""
     kind, inp = stacked_kind(w.kind for w in weights), weights[0].in_features
-    if kind is None or any(w.in_features != inp for w in weights):
-        raise ValueError("only weights of one kind (or of K kinds) and one input width can be stacked")
+    if any(w.in_features != inp for w in weights):
+        raise ValueError("only weights of one input width can be stacked")
+    if kind is None:
+        return StackedWeight(weights)
     parts = [torch.cat([w.rows[i] for w in weights]) if weights[0].rows[i] is not None else None
              for i in range(4)]
     return NativeWeight(kind, sum(w.out_features for w in weights), inp, w=parts[0], qs=parts[1], d=parts[2], m=parts[3])
+
+
+class StackedWeight(NativeWeight):
+    """Weights of kinds that share no layout (a Q5_1 q and k beside a Q8_0 v) stacked along the
+    outputs: one matmul to its callers (kernel kind ``stack``), each part multiplied by its own kind
+    into its columns, so that every part keeps its blocks."""
+
+    def __init__(self, parts: list[NativeWeight], bias: torch.Tensor | None = None) -> None:
+        self.parts = [p for w in parts for p in (w.parts if isinstance(w, StackedWeight) else [w])]
+        self.kind, self.in_features = "stack", self.parts[0].in_features
+        self.out_features = sum(p.out_features for p in self.parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+        if bias is not None:  # each part adds its slice
+            cuts = torch.cumsum(torch.tensor([0] + [p.out_features for p in self.parts]), 0).tolist()
+            self.parts = [p.with_bias(self.bias[a:b]) for p, a, b in zip(self.parts, cuts, cuts[1:])]
+        self.rows = (None, None, None, None)
+        self._struct = None
+        self._array = None
+
+    @property
+    def packed(self) -> tuple:
+        return tuple(t for p in self.parts for t in p.packed)
+
+    @property
+    def struct(self) -> CWeight:
+        if self._struct is None:
+            self._array = (CWeight * len(self.parts))(*(p.struct for p in self.parts))
+            self._struct = CWeight(KINDS["stack"], self.out_features, self.in_features, None, None, None, None, None,
+                                   ctypes.addressof(self._array), len(self.parts))
+        return self._struct
+
+    def with_int8_activations(self) -> "NativeWeight":
+        return StackedWeight([p.with_int8_activations() for p in self.parts])
+
+    def with_bias(self, bias: torch.Tensor | None) -> "NativeWeight":
+        return self if bias is None else StackedWeight(self.parts, bias)
+
+    def select(self, rows: torch.Tensor) -> "NativeWeight":
+        raise ValueError("a stack of weights of several kinds has no rows to select from")
+
+    def release_rows(self) -> None:
+        for p in self.parts:
+            p.release_rows()

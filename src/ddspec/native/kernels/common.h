@@ -46,7 +46,7 @@
 #include <sched.h>
 
 enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8 = 5, DD_Q8_0_A8 = 6,
-       DD_Q4_K = 7, DD_Q6_K = 8, DD_Q4_K_A8 = 9, DD_Q6_K_A8 = 10, DD_Q5_1 = 11, DD_Q5_1_A8 = 12 };
+       DD_Q4_K = 7, DD_Q6_K = 8, DD_Q4_K_A8 = 9, DD_Q6_K_A8 = 10, DD_Q5_1 = 11, DD_Q5_1_A8 = 12, DD_STACK = 13 };
 
 /* A weight W [out, in] packed in groups of 16 outputs (G = ceil(out / 16) groups; padding
  * outputs hold zeros), so that one 8-lane vector holds 8 outputs' weights at one input k:
@@ -66,12 +66,16 @@ enum { DD_F32 = 0, DD_Q4_1 = 1, DD_Q8_0 = 2, DD_F16 = 3, DD_BF16 = 4, DD_Q4_1_A8
  * order of k (per block for the quantised kinds, see levels_at): the sum an output gets depends neither on how many rows nor on how many
  * outputs share a pass (nor on the threads), so a row's result is the same bit for bit
  * whether it is computed alone or inside a tree. */
-typedef struct {
+typedef struct dd_weight {
     int64_t kind, out, in;
     const float *w;
     const uint8_t *qs;
     const float *d, *m;
     const float *bias;   /* [out] or NULL */
+    /* DD_STACK: weights of different kinds stacked along the outputs (q|k|v with a Q5_1 q and k and
+     * a Q8_0 v), each multiplied by its own kind into its columns of y, one after the other */
+    const struct dd_weight *parts;
+    int64_t nparts;
 } dd_weight;
 
 typedef struct {
@@ -110,6 +114,7 @@ DD_HIDDEN void dd_mm_q4_ka8(const dd_weight *W, const float *x, int64_t n, float
 DD_HIDDEN void dd_mm_q6_ka8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_HIDDEN void dd_mm_q5_1(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 DD_HIDDEN void dd_mm_q5_1a8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
+DD_HIDDEN void dd_mm_stack(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);
 
 /* The weight kinds' table (gemm.c, dd_kinds): adding a kind adds its file, one row there and its
  * dd_mm_ function above. block_bytes: one group's block of 32 inputs (0: a dense kind, any width);
@@ -122,7 +127,7 @@ typedef struct {
     int block_bytes;
     int unit;
 } dd_kind_ops;
-enum { DD_KINDS = 13 };
+enum { DD_KINDS = 14 };
 extern DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS];
 /* y (+)= x @ W^T for any kind, through dd_kinds (an unknown kind as fp32, as before the table) */
 DD_HIDDEN void dd_matmul(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc);

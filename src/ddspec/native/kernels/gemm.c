@@ -17,6 +17,7 @@ DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS] = {
     [DD_Q6_K_A8] = {"q6_ka8", dd_mm_q6_ka8, 448, 256},
     [DD_Q5_1] = {"q5_1", dd_mm_q5_1, 576, 32},
     [DD_Q5_1_A8] = {"q5_1a8", dd_mm_q5_1a8, 448, 32},
+    [DD_STACK] = {"stack", dd_mm_stack, 0, 0},
 };
 
 /* y [n, out] (+)= x [n, in] @ W^T; output groups are shared among the threads of the enclosing
@@ -24,6 +25,11 @@ DD_HIDDEN const dd_kind_ops dd_kinds[DD_KINDS] = {
 DD_HIDDEN void dd_matmul(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
     const dd_kind_ops *k = W->kind >= 0 && W->kind < DD_KINDS ? &dd_kinds[W->kind] : &dd_kinds[DD_F32];
     k->matmul(W, x, n, y, ldy, acc);
+}
+
+/* DD_STACK: each part into its own columns of y (each part's matmul ends with its barrier) */
+DD_HIDDEN void dd_mm_stack(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
+    for (int64_t i = 0, off = 0; i < W->nparts; off += W->parts[i].out, i++) dd_matmul(&W->parts[i], x, n, y + off, ldy, acc);
 }
 
 DD_HIDDEN __thread dd_span *dd_spans;
@@ -64,6 +70,11 @@ static void argmax_span(const float *y, int64_t c0, int64_t c1, float *val, int6
 /* Whether the matmul entries refuse W: a block weight whose inputs are not whole blocks (of 32
  * inputs, 256 for the K kinds). */
 static int partial_blocks(const dd_weight *W) {
+    if (W->kind == DD_STACK) {
+        for (int64_t i = 0; i < W->nparts; i++)
+            if (partial_blocks(&W->parts[i])) return 1;
+        return 0;
+    }
     return W->kind >= 0 && W->kind < DD_KINDS && dd_kinds[W->kind].unit && W->in % dd_kinds[W->kind].unit;
 }
 
