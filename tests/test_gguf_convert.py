@@ -177,6 +177,16 @@ def write_tiny_qwen2(path: Path, types: dict[str, int]) -> None:
     w.close()
 
 
+def both_conversions(path: Path) -> tuple[Path, Path]:
+    """(ours, transformers') conversions of the GGUF at ``path``, in folders beside it."""
+    ours, theirs = path.parent / "ours", path.parent / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    gguf_convert.convert(path, ours)
+    _convert_with_transformers(path, theirs)
+    return ours, theirs
+
+
 def assert_same_folder(ours: Path, theirs: Path, texts=TEXTS, chat=CHAT, as_loaded=lambda tok: tok) -> None:
     """Same config, weights bit for bit (ours: the fp32 tensors and the block weights the GGUF keeps,
     as load_weights gives them), same tokenizer.json (``as_loaded``: transformers' file as its
@@ -219,12 +229,7 @@ Q = gguf.GGMLQuantizationType
 def test_tiny_gguf_converts_as_transformers_does(tmp_path, types):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, {k: int(v) for k, v in types.items()})
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.mkdir()
-    theirs.mkdir()
-    gguf_convert.convert(path, ours)
-    _convert_with_transformers(path, theirs)
-    assert_same_folder(ours, theirs)
+    assert_same_folder(*both_conversions(path))
 
 
 def test_what_it_does_not_cover_is_left_to_transformers(tmp_path):
@@ -313,11 +318,7 @@ def test_tiny_qwen2_converts_as_transformers_does(tmp_path, types):
     Qwen2's split, all as transformers' conversion has them."""
     path = tmp_path / "qwen.gguf"
     write_tiny_qwen2(path, {k: int(v) for k, v in types.items()})
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.mkdir()
-    theirs.mkdir()
-    gguf_convert.convert(path, ours)
-    _convert_with_transformers(path, theirs)
+    ours, theirs = both_conversions(path)
     assert_same_folder(ours, theirs, QWEN2_TEXTS, QWEN2_CHAT, as_loaded=_qwen2_as_loaded)
     cfg = json.loads((ours / "config.json").read_text())
     assert {k: cfg[k] for k in ("model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",

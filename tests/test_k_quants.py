@@ -178,18 +178,10 @@ def test_a_k_weight_needs_whole_super_blocks():
                             d=torch.zeros(16, 1, 2), m=torch.zeros(16, 9, 4, dtype=torch.int8))
 
 
-def _write(path, tensors):
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, raw, qtype in tensors:
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @needs_kernels
 def test_k_tensors_of_a_gguf_file_run_on_the_kernels_and_q2_k_is_named(tmp_path, capsys):
+    from test_gguf_types import _write
+
     from ddspec.models.gguf_blocks import native_weights
 
     tensors = [("blk.0.attn_q.weight", k_raw(T.Q4_K, 32, 256, 1), T.Q4_K),

@@ -48,6 +48,23 @@ static inline __attribute__((always_inline)) __m256i a8_acc32(__m256i s, __m256i
 #endif
 }
 
+/* One quad i (inputs 4i .. 4i + 3) of 4-bit levels L (32 bytes: byte 4o + j holds output o's level
+ * in its low nibble and output o + 8's in its high one) into the running sums s0 (outputs 0-7) and
+ * s1 (8-15) of rows [0, R); qx: the quad's first rounded activation of row 0, ``in`` apart. */
+#define A8_NIBBLE_QUAD(R, L, qx, in, s0, s1)                                                        \
+    do {                                                                                            \
+        const __m256i lo_ = _mm256_and_si256(L, _mm256_set1_epi8(0x0F));                           \
+        const __m256i hi_ = _mm256_and_si256(_mm256_srli_epi16(L, 4), _mm256_set1_epi8(0x0F));     \
+        _Pragma("GCC unroll 8") for (int r_ = 0; r_ < (R); r_++) {                                  \
+            const __m256i xb_ = bcast4((qx) + r_ * (in));                                           \
+            s0[r_] = a8_acc(s0[r_], lo_, xb_);                                                      \
+            s1[r_] = a8_acc(s1[r_], hi_, xb_);                                                      \
+            /* keep each sum a running sum: unrolled, gcc would otherwise keep all 16R products   \
+             * live and add them as a tree, spilling most of them */                             \
+            __asm__("" : "+x"(s0[r_]), "+x"(s1[r_]));                                               \
+        }                                                                                           \
+    } while (0)
+
 /* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]; with sq, also
  * each block's integer sum of qx (the rounded values are within [-127, 127], so the packs below
  * never saturate and the sum of the 32-bit values is the sum of qx). */

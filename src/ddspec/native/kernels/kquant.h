@@ -233,7 +233,6 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
                                     const float *sx, float *y, int64_t ldy, int accumulate) {       \
         enum { BYTES = K_BYTES(KIND_ID), SUBS = K_HALVES(KIND_ID) ? 2 : 1 };                        \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
-        const __m256i low = _mm256_set1_epi8(0x0F);                                                 \
         float tot[R * 16] __attribute__((aligned(32)));                                             \
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
@@ -249,14 +248,7 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
                 _Pragma("GCC unroll 8") for (int i = h * (8 / SUBS); i < (h + 1) * (8 / SUBS); i++) { \
                     if (K_NIBBLES(KIND_ID)) {                                                       \
                         const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i)); \
-                        const __m256i lo = _mm256_and_si256(L, low);                                \
-                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);          \
-                        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
-                            const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                \
-                            s0[r] = a8_acc(s0[r], lo, xb);                                          \
-                            s1[r] = a8_acc(s1[r], hi, xb);                                          \
-                            __asm__("" : "+x"(s0[r]), "+x"(s1[r])); /* running sums (see APASS) */   \
-                        }                                                                           \
+                        A8_NIBBLE_QUAD(R, L, qx + b * 32 + 4 * i, in, s0, s1);                      \
                     } else {                                                                        \
                         __m256i w0, w1;                                                             \
                         k_levels_a8(KIND_ID, blk, i, zv, &w0, &w1);                                 \

@@ -27,7 +27,6 @@ QGEMM(DD_Q4_1, q4_1)
                           const float *sx, float *y, int64_t ldy, int accumulate) {                 \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
         enum { BYTES = BLOCK_BYTES(DD_Q4_1) };                                                      \
-        const __m256i low = _mm256_set1_epi8(0x0F);                                                 \
         float tot[R * 16] __attribute__((aligned(32)));                                             \
         memset(tot, 0, sizeof(tot));                                                                \
         for (int64_t b = 0; b < nb; b++) {                                                          \
@@ -38,16 +37,7 @@ QGEMM(DD_Q4_1, q4_1)
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                                   \
                 const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i));         \
-                const __m256i lo = _mm256_and_si256(L, low);                                        \
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), low);                  \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
-                    const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                        \
-                    s0[r] = a8_acc(s0[r], lo, xb);                                                  \
-                    s1[r] = a8_acc(s1[r], hi, xb);                                                  \
-                    /* keep each sum a running sum: unrolled, gcc would otherwise keep all 16R   \
-                     * products live and add them as a tree, spilling most of them */           \
-                    __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                         \
-                }                                                                                   \
+                A8_NIBBLE_QUAD(R, L, qx + b * 32 + 4 * i, in, s0, s1);                              \
             }                                                                                       \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                   \
                 a8_block_end(blk, dx[r * nb + b], sx[r * nb + b], s0[r], s1[r], tot + r * 16);      \
