@@ -117,3 +117,47 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     summary = (out / "summary.md").read_text()
     assert "| vanilla | 3 | 3 |" in summary and "Third chat turn" in summary
     assert summary in capsys.readouterr().out
+
+
+def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
+    """--url of an OpenAI-compatible server that is not ddspec (llama.cpp's server streams no ddspec
+    usage fields, and its /health names no model): its tokens are counted from the stream, τ is
+    reported as unknown and the prefix-reuse chat is skipped, with a line saying so."""
+    import http.server
+    import threading
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for piece in ("It", " is", " blue", "."):
+                self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "bench"
+        status = main(["bench-serve", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--methods", "vanilla",
+                       "--concurrency", "1,2", "--requests", "3", "--max-tokens", "8", "--reuse-trials", "1",
+                       "--out", str(out)])
+    finally:
+        server.shutdown()
+    assert status == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["requests"], r["errors"], r["tau"]) for r in rows] == [(3, 0, None), (3, 0, None)]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    captured = capsys.readouterr()
+    assert "the reuse chat is skipped" in captured.err and "| vanilla | 2 | 3 |" in captured.out

@@ -35,10 +35,10 @@ class Sample:
     latency_s: float
     ttft_s: float
     tokens: int
-    tau: float
-    prompt_tokens: int
-    reused_tokens: int
-    prefill_ms: float
+    tau: float | None  # None (as the next two): a server that does not report ddspec's usage fields
+    prompt_tokens: int | None
+    reused_tokens: int | None
+    prefill_ms: float | None
     text: str
 
 
@@ -73,7 +73,7 @@ class Client:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-            ttft, usage, text = None, None, []
+            ttft, usage, text, pieces = None, None, [], 0
             for line in resp:
                 if not line.startswith(b"data: "):
                     continue
@@ -88,14 +88,17 @@ class Client:
                     if piece:
                         ttft = ttft if ttft is not None else time.perf_counter() - t0
                         text.append(piece)
+                        pieces += 1
             latency = time.perf_counter() - t0
         finally:
             conn.close()
-        if usage is None:
-            raise RuntimeError("the stream ended without usage")
-        d = usage["ddspec"]
-        return Sample(latency, ttft if ttft is not None else latency, usage["completion_tokens"], d["tau"],
-                      usage["prompt_tokens"], d["reused_prompt_tokens"], d["prefill_ms"], "".join(text))
+        # another OpenAI-compatible server (llama.cpp's) may send no usage, or none of ddspec's fields:
+        # its tokens are then counted as the streamed pieces (one token each, as llama.cpp streams them)
+        usage = usage or {}
+        d = usage.get("ddspec") or {}
+        return Sample(latency, ttft if ttft is not None else latency, usage.get("completion_tokens", pieces),
+                      d.get("tau"), usage.get("prompt_tokens"), d.get("reused_prompt_tokens"), d.get("prefill_ms"),
+                      "".join(text))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,8 +143,13 @@ def load_run(client: Client, method: str, concurrency: int, prompts: list[str], 
             "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(statistics.median(lat), 4),
             "p99_latency_s": round(percentile(lat, 0.99), 4),
             "p50_ttft_s": round(statistics.median([s.ttft_s for s in samples] or [float("nan")]), 4),
-            "tau": round(statistics.mean([s.tau for s in samples] or [float("nan")]), 3),
+            "tau": _mean_or_none([s.tau for s in samples]),
             "first_error": errors[0] if errors else ""}
+
+
+def _mean_or_none(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.mean(known), 3) if known else None
 
 
 def reuse_run(client: Client, method: str, turns: tuple[str, str], max_tokens: int, trials: int) -> dict:
@@ -170,7 +178,7 @@ def report(rows: list[dict], reuse: dict, header: str) -> str:
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | "
-                     f"{r['p50_ttft_s']:.3f} | {r['tau']:.2f} | {r['errors']} |")
+                     f"{r['p50_ttft_s']:.3f} | {'—' if r['tau'] is None else format(r['tau'], '.2f')} | {r['errors']} |")
     if reuse:
         lines += ["", f"Third chat turn ({reuse['history_tokens']} prompt tokens, {reuse['reused_tokens']} kept by "
                       f"prefix reuse; method {reuse['method']}; median of {reuse['trials']}): time to first token "
@@ -237,21 +245,25 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     try:
         client = Client(url, args.api_key)
         health = client.get("/health")
-        rows = []
+        rows, ours = [], True
         for method in methods:
-            client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter (may calibrate)
+            warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter (may calibrate)
+            ours = warm.tau is not None
             for c in args.concurrency:
                 rows.append(load_run(client, method, c, firsts, args.requests, args.max_tokens))
                 r = rows[-1]
                 print(f"[bench-serve] {method} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
                       f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
                       f"errors {r['errors']}", file=sys.stderr)
+        if args.reuse_trials and not ours:
+            print("[bench-serve] the server reports no prefix reuse (not ddspec's usage fields): the reuse "
+                  "chat is skipped", file=sys.stderr)
         reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials) \
-            if args.reuse_trials else {}
+            if args.reuse_trials and ours else {}
     finally:
         if live is not None:
             live.stop()
-    header = (f"ddspec bench-serve: model {health['model']}, prompts {args.prompts} (first turns, greedy, "
+    header = (f"ddspec bench-serve: model {health.get('model', url)}, prompts {args.prompts} (first turns, greedy, "
               f"{args.max_tokens} tokens), {args.requests} requests per row, {time.strftime('%Y-%m-%d %H:%M')}")
     text = report(rows, reuse, header)
     print(text)
