@@ -161,3 +161,50 @@ def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     captured = capsys.readouterr()
     assert "the reuse chat is skipped" in captured.err and "| vanilla | 2 | 3 |" in captured.out
+
+
+FAKE_LLAMA = r'''#!{python}
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+assert args[args.index("-np") + 1] == "4" and args[args.index("-m") + 1].endswith(".gguf")
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        body = json.dumps({{"status": "ok"}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/chat/completions" and req["stream"] and req["temperature"] == 0
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for piece in ["a"] * min(req["max_tokens"], 5):
+            self.wfile.write(("data: " + json.dumps({{"choices": [{{"delta": {{"content": piece}}}}]}}) + "\n\n").encode())
+        usage = {{"completion_tokens": min(req["max_tokens"], 5), "prompt_tokens": 9}}
+        self.wfile.write(("data: " + json.dumps({{"choices": [], "usage": usage}}) + "\n\n").encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_bench_serve_measures_llama_cpps_server_in_the_same_run(tmp_path, capsys):
+    from test_gguf_convert import write_tiny_llama
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_llama(gguf, {"embd": 8, "attn": 8, "ffn": 8, "norm": 0})  # Q8_0 weights, F32 norms
+    fake = tmp_path / "llama-server"
+    fake.write_text(FAKE_LLAMA.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "bench"
+    status = main(["bench-serve", "--model", str(gguf), "--methods", "vanilla", "--concurrency", "1,2",
+                   "--requests", "2", "--max-tokens", "8", "--reuse-trials", "0", "--threads", "1",
+                   "--activations", "int8", "--llama-server", str(fake), "--slots", "4", "--out", str(out)])
+    assert status == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("vanilla", 1), ("vanilla", 2), ("llama.cpp", 1),
+                                                               ("llama.cpp", 2)]
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert [r["tau"] for r in rows[2:]] == [None, None]
+    assert main(["bench-serve", "--model", "default", "--methods", "vanilla", "--llama-server", str(fake)]) == 2
+    assert "--model FILE.gguf" in capsys.readouterr().err

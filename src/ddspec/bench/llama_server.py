@@ -42,16 +42,19 @@ def find_server(explicit: str | None = None) -> Path | None:
 
 
 class LlamaServerArm:
-    """One llama-server process with one slot; ``generate`` sends prompt ids and returns llama.cpp's ids."""
+    """One llama-server process (one slot unless ``slots``: each slot its own context of up to 8,192
+    tokens); ``generate`` sends prompt ids and returns llama.cpp's ids, ``url`` serves any client
+    (``ddspec bench-serve``'s)."""
 
     def __init__(self, binary: Path, gguf: Path, eos_ids: tuple[int, ...], max_position: int, threads: int,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, slots: int = 1) -> None:
         self.eos_ids, self.max_position = set(eos_ids), max_position
         self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         ctx = min(max_position, 8192)
         self.proc = subprocess.Popen(
-            [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
-             "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"],
+            [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx * slots),
+             "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         atexit.register(self.close)  # never leave a server behind, whatever ends the bench
         deadline = time.monotonic() + start_timeout

@@ -9,7 +9,9 @@
    turn 3 is timed to its first token with reuse, then without (``"prefix_reuse": false``).
 
 The server runs in this process on a free loopback port (or pass ``--url`` to measure a running
-one). Clients are threads with plain ``http.client``, which cost little next to decoding.
+one). With ``--llama-server PATH`` llama.cpp's own server (``--slots`` slots, the same GGUF and
+threads) is measured too, by the same clients, after ddspec's rows (method ``llama.cpp``).
+Clients are threads with plain ``http.client``, which cost little next to decoding.
 """
 
 from __future__ import annotations
@@ -213,6 +215,10 @@ def add_bench_parser(sub) -> None:
                    help="tokens per answer of the reuse chat's first two turns (default 512)")
     p.add_argument("--reuse-trials", type=int, default=3, help="timed third turns, each way (default 3; 0 = skip)")
     p.add_argument("--url", default=None, help="measure a running server instead of starting one")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="also measure llama.cpp's llama-server binary on the same GGUF (--model FILE.gguf) with the "
+                        "same clients, in the same run (docs/benchmarks.md builds it)")
+    p.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (-np; default 16)")
     p.add_argument("--api-key", default=None, help="the running server's key (with --url)")
     p.add_argument("--out", default=None, help="folder for summary.md and results.json")
     add_model_args(p)
@@ -229,8 +235,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         split_method(m)
-    if args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0:
-        raise DdspecError("--requests, --max-tokens and --chat-max-tokens must be >= 1, --reuse-trials >= 0")
+    if args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0 or args.slots < 1:
+        raise DdspecError("--requests, --max-tokens, --chat-max-tokens and --slots must be >= 1, --reuse-trials >= 0")
+    if args.llama_server and (Path(args.model).suffix != ".gguf" or not Path(args.model).expanduser().is_file()):
+        raise DdspecError(f"--llama-server measures llama.cpp on the same GGUF file: give --model FILE.gguf, not {args.model}")
     prompts = load_prompt_file(resolve_prompt_sources([args.prompts])[0])
     firsts = [p.turns[0] for p in prompts]
     two_turns = next((p.turns[:2] for p in prompts if len(p.turns) >= 2), None)
@@ -255,6 +263,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                 print(f"[bench-serve] {method} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
                       f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
                       f"errors {r['errors']}", file=sys.stderr)
+        rows += _llama_rows(args, firsts)
         if args.reuse_trials and not ours:
             print("[bench-serve] the server reports no prefix reuse (not ddspec's usage fields): the reuse "
                   "chat is skipped", file=sys.stderr)
@@ -274,6 +283,32 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         (out / "results.json").write_text(json.dumps({"rows": rows, "reuse": reuse, "args": {
             k: v for k, v in vars(args).items() if k != "handler" and k != "api_key"}}, indent=2, default=str))
     return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """llama.cpp's server on the same GGUF (with --llama-server): the same load, row by row."""
+    if not args.llama_server:
+        return []
+    from ddspec.bench.llama_server import LlamaServerArm, find_server
+    from ddspec.models.loading import read_config, resolve_model_dir
+
+    gguf = Path(args.model).expanduser()
+    cfg = read_config(resolve_model_dir(str(gguf)))
+    eos = cfg.get("eos_token_id")
+    arm = LlamaServerArm(find_server(args.llama_server), gguf, tuple(eos if isinstance(eos, list) else [eos or 0]),
+                         int(cfg.get("max_position_embeddings", 2048)), args.threads or 2, slots=args.slots)
+    try:
+        client = Client(arm.url)
+        client.chat([{"role": "user", "content": "Hello!"}], 8)
+        rows = []
+        for c in args.concurrency:
+            rows.append(dict(load_run(client, None, c, prompts, args.requests, args.max_tokens), method="llama.cpp"))
+            r = rows[-1]
+            print(f"[bench-serve] llama.cpp x{c} ({args.slots} slots): {r['tokens_per_s']:.1f} tokens/s, p50 "
+                  f"{r['p50_latency_s']:.3f} s, errors {r['errors']}", file=sys.stderr)
+        return rows
+    finally:
+        arm.close()
 
 
 def _start_server(args: argparse.Namespace, methods: list[str]):
