@@ -12,7 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from ddspec import native  # noqa: E402
-from ddspec.models.gguf_blocks import NATIVE_SOURCES, dequantize, native_blocks  # noqa: E402
+from ddspec.models.gguf_blocks import NATIVE_SOURCES, block_weight, dequantize, native_blocks  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 K_TYPES = [T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_1]
@@ -39,10 +39,7 @@ def k_weight(qtype, rows: int, cols: int, seed: int = 0):
     """(NativeWeight of a random ``qtype`` tensor, gguf-py's fp32 dequantisation of it [rows, cols])."""
     raw = k_raw(qtype, rows, cols, seed)
     kind, qs, d, m = native_blocks(int(qtype), raw, rows)
-    if kind == "q5_1":  # the file's fp16 d and m, held in fp32 as the row layout does
-        d, m = d.astype(np.float32), m.astype(np.float32)
-    weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(np.ascontiguousarray(qs)),
-                                 d=torch.from_numpy(d), m=torch.from_numpy(m))
+    weight = block_weight(kind, cols, qs, d, m)
     return weight, torch.from_numpy(gguf.dequantize(raw, qtype).reshape(rows, cols).copy())
 
 
@@ -286,9 +283,7 @@ def test_every_method_is_lossless_with_stacks_of_several_kinds(tiny_dirs, activa
         w = t.float().contiguous().numpy()
         qtype = T.Q5_1 if ("q_proj" in name or "k_proj" in name) else T.Q8_0 if "v_proj" in name else T.Q4_1
         kind, qs, d, m = native_blocks(int(qtype), gguf.quantize(w, qtype), w.shape[0])
-        return native.NativeWeight(kind, *w.shape, qs=torch.from_numpy(np.ascontiguousarray(qs)),
-                                   d=torch.from_numpy(d.astype(np.float32)),
-                                   m=None if m is None else torch.from_numpy(m.astype(np.float32)))
+        return block_weight(kind, w.shape[1], qs, d, m)
 
     monkeypatch.setattr(llama, "read_gguf_blocks", lambda path, weights: {
         n: block(n, t) for n, t in weights.items() if t.dim() == 2 and t.shape[1] % 32 == 0 and "embed" not in n})

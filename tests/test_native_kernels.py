@@ -24,7 +24,7 @@ def gguf_blocks(kind: str, w: np.ndarray):
     """w [rows, cols] fp32 quantised by gguf-py: (NativeWeight of its blocks, gguf-py's fp32 dequantisation)."""
     import gguf
 
-    from ddspec.models.gguf_blocks import dequantize, native_blocks
+    from ddspec.models.gguf_blocks import block_weight, dequantize, native_blocks
 
     qtype = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
     rows, cols = w.shape
@@ -32,10 +32,7 @@ def gguf_blocks(kind: str, w: np.ndarray):
     reference = gguf.dequantize(raw, qtype).reshape(rows, cols)
     _, qs, d, m = native_blocks(int(qtype), raw, rows)
     assert np.array_equal(dequantize(kind, qs, d, m), reference)  # our formula is gguf-py's
-    weight = native.NativeWeight(kind, rows, cols, qs=torch.from_numpy(np.ascontiguousarray(qs)),
-                                 d=torch.from_numpy(d.astype(np.float32)),
-                                 m=None if m is None else torch.from_numpy(m.astype(np.float32)))
-    return weight, torch.from_numpy(reference)
+    return block_weight(kind, cols, qs, d, m), torch.from_numpy(reference)
 
 
 def quantised(kind: str, rows: int, cols: int, seed: int = 0):

@@ -351,11 +351,7 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
             skipped.append(name)
             continue
         found[name] = order
-        pick = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
-        keep = kind in ("q4_k", "q6_k")  # the K kinds' minimums and scales are integers
-        qs_t, d_t = pick(qs), pick(d.astype(np.float32))
-        m_t = pick(None if m is None else m if keep else m.astype(np.float32))
-        out[name] = NativeWeight(kind, rows, target.shape[1], qs=qs_t, d=d_t, m=m_t)
+        out[name] = block_weight(kind, target.shape[1], qs, d, m, order)
     if skipped:
         print(f"ddspec: {len(skipped)} GGUF tensors do not match their fp32 weights exactly (e.g. {skipped[0]}); "
               "those use fp32 kernels", file=sys.stderr)
@@ -457,7 +453,7 @@ def read_manifest(model_dir: Path) -> dict | None:
 
 def rotary_order(rows: int, heads: int) -> np.ndarray:
     """The GGUF rows that Hugging Face's rows 0 .. rows - 1 are, where llama.cpp interleaved the two
-    halves of each rotary head (see gguf_convert.unpermute_rotary)."""
+    halves of each rotary head (gguf_convert.unpermute_rotary applies it)."""
     half = rows // heads // 2
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
@@ -475,20 +471,22 @@ def manifest_blocks(gguf: Path, manifest: dict, notice: bool = True) -> dict[str
         ttype, dims, raw = layout.tensors[tensor]
         rows = int(np.prod(dims[1:], dtype=np.int64))
         kind, qs, d, m = native_blocks(ttype, raw.reshape(rows, -1), rows)
-        order = rotary_order(rows, heads) if heads else None
-        keep = kind in ("q4_k", "q6_k")  # the K kinds' minimums and scales are integers
-
-        def pick(a):
-            if a is None:
-                return None
-            return torch.from_numpy(np.ascontiguousarray(a if order is None else a[order]))
-
-        m32 = None if m is None else m if keep else m.astype(np.float32)
-        out[name.removeprefix("model.")] = NativeWeight(kind, rows, dims[0], qs=pick(qs), d=pick(d.astype(np.float32)),
-                                                        m=pick(m32))
+        out[name.removeprefix("model.")] = block_weight(kind, dims[0], qs, d, m, rotary_order(rows, heads) if heads else None)
     if notice:
         _notice_unread_types(layout, {hf_name(t) for t in layout.tensors if hf_name(t)})
     return out
+
+
+def block_weight(kind: str, inp: int, qs: np.ndarray, d: np.ndarray, m: np.ndarray | None,
+                 order: np.ndarray | None = None) -> NativeWeight:
+    """The NativeWeight of :func:`native_blocks`' output (rows ``order`` of it, if given): scales in
+    fp32 (the file's fp16 values), the K kinds' minimums and scales kept as the integers they are."""
+    def pick(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a if order is None else a[order]))
+
+    integers = kind in ("q4_k", "q6_k")
+    return NativeWeight(kind, qs.shape[0], inp, qs=pick(qs), d=pick(d.astype(np.float32)),
+                        m=pick(None if m is None else m if integers else m.astype(np.float32)))
 
 
 def dense_of(weight: NativeWeight) -> torch.Tensor:
@@ -528,14 +526,16 @@ class BlockTensors(dict):
 
 
 def lazy_dense(gguf: Path, manifest: dict, blocks: dict[str, NativeWeight]) -> dict[str, tuple[tuple[int, int], object]]:
-    """BlockTensors' ``lazy`` for the manifest's weights: each dequantised from the file when asked."""
-    def reader(full: str):
-        return lambda: dense_of(manifest_blocks(gguf, {"tensors": {full: manifest["tensors"][full]}}, notice=False)[
-            full.removeprefix("model.")])
+    """BlockTensors' ``lazy`` for the manifest's weights (``blocks``, by name without ``model.``):
+    each dequantised from the file when asked."""
+    def reader(full: str, short: str):
+        return lambda: dense_of(manifest_blocks(gguf, {"tensors": {full: manifest["tensors"][full]}}, notice=False)[short])
 
-    return {name.removeprefix("model."): ((blocks[name.removeprefix("model.")].out_features,
-                                           blocks[name.removeprefix("model.")].in_features), reader(name))
-            for name in manifest["tensors"]}
+    lazy = {}
+    for full in manifest["tensors"]:
+        short = full.removeprefix("model.")
+        lazy[short] = ((blocks[short].out_features, blocks[short].in_features), reader(full, short))
+    return lazy
 
 
 def manifest_tensors(layout: GGUFLayout, heads_of) -> dict[str, list]:

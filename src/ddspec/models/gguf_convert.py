@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ddspec.models.gguf_blocks import (MANIFEST, NATIVE_SOURCES, GGUFError, GGUFLayout, dequantize, ggml_name, hf_name,
-                                      manifest_tensors, native_blocks)
+                                      manifest_tensors, native_blocks, rotary_order)
 
 
 class NotCovered(Exception):
@@ -104,9 +104,8 @@ def dequantize_tensor(ttype: int, dims: list[int], raw: np.ndarray) -> np.ndarra
 
 def unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's reordering of q/k rows: within each head it stores the rotary pairs
-    interleaved; Hugging Face keeps the two halves apart."""
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+    interleaved; Hugging Face keeps the two halves apart (gguf_blocks.rotary_order)."""
+    return w[rotary_order(w.shape[0], heads)]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

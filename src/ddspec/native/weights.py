@@ -296,7 +296,7 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def stacked_kind(kinds) -> str | None:
     """The kind weights of these kinds are stacked into (q|k|v, gate|up), or None where they cannot be:
-    one kind, or Q4_K beside another K type (its blocks hold exactly in q6_k's 8-bit levels)."""
+    one kind, or Q4_K beside another K type (its levels hold exactly in q6_k's)."""
     kinds = set(kinds)
     if len(kinds) == 1:
         return kinds.pop()
