@@ -20,7 +20,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-SUPPORTED_NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,77 @@ from ddspec.models.base import ModelInfo, TargetOutput, expand_mask, masked_atte
 from ddspec.models.kernels import KernelPlan, Weight
 
 
+# the families the native forward runs (HF model_type); others use the HF adapter (models/loading.py)
+NATIVE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+
+
+def _rope_of(cfg: dict, layer_type: str | None = None) -> dict:
+    """The RoPE settings of a config (transformers 5's ``rope_parameters``, per layer type where it
+    has one, or the older ``rope_theta`` / ``rope_scaling``) as one dict with rope_type and rope_theta."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = rope[layer_type]
+    elif layer_type == "sliding_attention" and cfg.get("rope_local_base_freq"):  # older Gemma 3 configs
+        rope = {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    rope = dict(rope)
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: it attends to the whole context), as transformers decides it:
+    ``layer_types`` where the config lists them, else each family's rule (Mistral and Phi-3: every
+    layer; Gemma 2: every other one from the first; Gemma 3: all but every ``sliding_window_pattern``-th;
+    Qwen2/3 with ``use_sliding_window``: the layers from ``max_window_layers`` on)."""
+    n, window, family = cfg["num_hidden_layers"], cfg.get("sliding_window") or 0, cfg.get("model_type")
+    types = cfg.get("layer_types")
+    if not window:
+        return (0,) * n
+    if types:
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if family in ("mistral", "phi3"):
+        return (window,) * n
+    if family == "gemma2":
+        return tuple(window if i % 2 == 0 else 0 for i in range(n))
+    if family == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        return tuple(window if (i + 1) % pattern else 0 for i in range(n))
+    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        return tuple(window if i >= cfg.get("max_window_layers", n) else 0 for i in range(n))
+    return (0,) * n
+
+
+def why_not_native(cfg: dict) -> str | None:
+    """Why the native forward cannot run a model of this HF config (None: it can)."""
+    family = cfg.get("model_type", "unknown")
+    if family not in NATIVE_FAMILIES:
+        return f"its family {family!r} has no native forward (those with one: {', '.join(NATIVE_FAMILIES)})"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if family in _GEMMA:
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in _ACTIVATIONS:
+        return f"its activation {act!r} has no native kernel"
+    types = ("full_attention", "sliding_attention") if family == "gemma3_text" else (None,)
+    for t in types:
+        rope = _rope_of(cfg, t)
+        if rope["rope_type"] not in _ROPE_TYPES:
+            return f"its RoPE scaling {rope['rope_type']!r} has no native table"
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        return f"its partial rotary factor {partial} has no native kernel"
+    if len({w for w in layer_windows(cfg) if w}) > 1:
+        return "its layers have sliding windows of different sizes"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaArch:
-    """The hyper-parameters the native forward needs, read from a HF config."""
+    """The hyper-parameters the native forward needs, read from a HF config: the Llama layer and
+    what the other native families change in it (defaults: Llama's)."""
 
     vocab_size: int
     hidden_size: int
@@ -41,18 +109,35 @@ class LlamaArch:
     head_dim: int
     rms_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None or a llama3-style dict
+    rope_scaling: dict | None  # None or a llama3 / linear / longrope dict (see rope_inv_freq)
     max_position: int
     qkv_bias: bool
     tie_embeddings: bool
+    family: str = "llama"
+    norm_offset: bool = False  # Gemma: every RMSNorm multiplies by (1 + w)
+    sandwich: bool = False  # Gemma 2 and 3: norms on the attention's and MLP's outputs too
+    activation: str = "silu"  # or gelu_tanh
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
+    attn_scale: float = 0.0  # 0: 1 / sqrt(head_dim); Gemma 2 and 3: query_pre_attn_scalar ** -0.5
+    attn_softcap: float = 0.0  # Gemma 2: scores become cap * tanh(score / cap)
+    logit_softcap: float = 0.0  # Gemma 2: the logits likewise
+    windows: tuple[int, ...] = ()  # per layer: 0, or its sliding window (keys at positions > p - window)
+    local_rope: dict | None = None  # the RoPE of the windowed layers where it differs (Gemma 3)
+    fused_proj: bool = False  # Phi-3: q|k|v and gate|up stored as one matrix each
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArch":
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        family = cfg.get("model_type", "llama")
+        gemma = family in _GEMMA
+        rope = _rope_of(cfg, "full_attention" if family == "gemma3_text" else None)
+        local = _rope_of(cfg, "sliding_attention") if family == "gemma3_text" else None
+        act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else (cfg.get("hidden_act") or "silu")
+        scalar = cfg.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3_text") else None
+        max_position = cfg.get("max_position_embeddings", 4096)
+        if rope["rope_type"] == "longrope" and "original_max_position_embeddings" not in rope:
+            rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", max_position)
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -62,21 +147,45 @@ class LlamaArch:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=dict(rope) if rope_type == "llama3" else None,
-            max_position=cfg.get("max_position_embeddings", 4096),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=rope if rope["rope_type"] != "default" else None,
+            max_position=max_position,
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            family=family,
+            norm_offset=gemma,
+            sandwich=family in ("gemma2", "gemma3_text"),
+            activation=_ACTIVATIONS.get(act, act),
+            embed_scale=float(hidden) ** 0.5 if gemma else 1.0,
+            attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if family == "gemma2" else 0.0,
+            logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+            windows=layer_windows(cfg) if "num_hidden_layers" in cfg else (),
+            local_rope=local if local is not None and local != rope else None,
+            fused_proj=family == "phi3",
         )
 
+    @property
+    def window(self) -> int:
+        """The sliding window of the layers that have one (0: none has)."""
+        return max(self.windows, default=0)
 
-def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
-    """Inverse frequencies [D/2], with Llama-3 frequency scaling when configured."""
+
+def rope_inv_freq(arch: LlamaArch, rope: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [D/2] of ``rope`` (default: the arch's global RoPE), with Llama-3's
+    frequency scaling, linear scaling or LongRoPE's short factors (for the positions below its
+    original context; :class:`Rotary` takes the long ones past it) when configured."""
     d = arch.head_dim
-    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = arch.rope_scaling
+    theta = arch.rope_theta if rope is None else float(rope["rope_theta"])
+    s = arch.rope_scaling if rope is None else (rope if rope["rope_type"] != "default" else None)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if s is None:
         return inv.float()
+    if s["rope_type"] == "linear":
+        return (inv.float() / s["factor"]).float()
+    if s["rope_type"] == "longrope":
+        shape = torch.arange(0, d, 2, dtype=torch.int64).float() / d  # transformers' formula, in fp32
+        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * theta ** shape)
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -89,19 +198,30 @@ def rope_inv_freq(arch: LlamaArch) -> torch.Tensor:
 
 class LlamaLayer:
     """One decoder layer's weights: fused qkv and gate+up, each a :class:`Weight` in the layouts
-    of the kernels ``plan`` chooses (shared by all layers of a model).
+    of the kernels ``plan`` chooses (shared by all layers of a model), and its norms (Gemma's with
+    the 1 folded in: each is the factor a normed value is multiplied by).
 
     blocks: GGUF blocks of some weights by name (models/gguf_blocks.py), read by the ``native``
     kernel instead of the fp32 values. With ``native`` among the kernels, ``self.fused``
-    describes the whole layer to ``dd_layers_forward``."""
+    describes the whole layer to ``dd_layers_forward``. window: the layer's sliding window (0:
+    none); rotary: its own RoPE tables (None: the model's)."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, arch: LlamaArch, plan: KernelPlan,
-                 kernels: set[str] | None = None, blocks: dict | None = None) -> None:
+                 kernels: set[str] | None = None, blocks: dict | None = None, window: int = 0,
+                 rotary: "Rotary | None" = None) -> None:
         attn = f"{prefix}self_attn."
         kernels = plan.needed if kernels is None else kernels
-        self.plan = plan
-        self.input_norm = w.get(f"{prefix}input_layernorm.weight")  # absent in EAGLE heads
-        self.post_norm = w[f"{prefix}post_attention_layernorm.weight"]
+        self.plan, self.window, self.rotary = plan, window, rotary
+
+        def plain(name: str) -> torch.Tensor | None:
+            return offset_norm(w.get(f"{prefix}{name}.weight"), arch)
+
+        self.input_norm = plain("input_layernorm")  # absent in EAGLE heads
+        # the norm before the MLP: Gemma 2 and 3 name the attention output's norm post_attention_layernorm
+        self.post_norm = plain("pre_feedforward_layernorm" if arch.sandwich else "post_attention_layernorm")
+        self.attn_norm = plain("post_attention_layernorm") if arch.sandwich else None
+        self.mlp_norm = plain("post_feedforward_layernorm") if arch.sandwich else None
+        self.q_norm, self.k_norm = plain("self_attn.q_norm"), plain("self_attn.k_norm")
         native = native_parts(blocks, kernels)
 
         def weight(names: list[str]) -> Weight:  # stacked where several (no copy of a single one)
@@ -110,7 +230,7 @@ class LlamaLayer:
                 return Weight(None, kernels, blocks_of)
             return Weight(w[names[0]] if len(names) == 1 else torch.cat([w[n] for n in names]), kernels, blocks_of)
 
-        self.qkv, self.o, self.gate_up, self.down = (weight(names) for names in stacked_names(prefix))
+        self.qkv, self.o, self.gate_up, self.down = (weight(names) for names in stacked_names(prefix, arch))
         self.qkv_bias = (
             torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"]) if arch.qkv_bias else None
         )
@@ -119,17 +239,31 @@ class LlamaLayer:
             from ddspec import native as native_lib
 
             self._qkv_native = self.qkv.native.with_bias(self.qkv_bias)  # the struct points into it: keep it
-            self.fused = native_lib.layer_struct(arch, self.input_norm, self.post_norm, self._qkv_native,
-                                                 self.o.native, self.gate_up.native, self.down.native)
+            self.fused = native_lib.layer_struct(
+                arch, self.input_norm, self.post_norm, self._qkv_native, self.o.native, self.gate_up.native,
+                self.down.native, q_norm=self.q_norm, k_norm=self.k_norm, attn_norm=self.attn_norm,
+                mlp_norm=self.mlp_norm, rope=None if rotary is None else (rotary.cos, rotary.sin), window=window)
 
     @property
     def weights(self) -> list[Weight]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
 
-def stacked_names(prefix: str) -> list[list[str]]:
-    """The weights a layer multiplies as one matrix each: q|k|v, o, gate|up, down."""
+def offset_norm(weight: torch.Tensor | None, arch: LlamaArch) -> torch.Tensor | None:
+    """An RMSNorm's weight as the factor it multiplies by: Gemma's (1 + w) (computed in fp32, as
+    transformers does), the weight itself elsewhere."""
+    if weight is None or not arch.norm_offset:
+        return weight
+    return (1.0 + weight.float()).to(weight.dtype)
+
+
+def stacked_names(prefix: str, arch: LlamaArch | None = None) -> list[list[str]]:
+    """The weights a layer multiplies as one matrix each: q|k|v, o, gate|up, down (Phi-3 stores
+    q|k|v and gate|up as one matrix each already)."""
     attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+    if arch is not None and arch.fused_proj:
+        return [[f"{attn}qkv_proj.weight"], [f"{attn}o_proj.weight"], [f"{mlp}gate_up_proj.weight"],
+                [f"{mlp}down_proj.weight"]]
     return [[f"{attn}{p}_proj.weight" for p in "qkv"], [f"{attn}o_proj.weight"],
             [f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"], [f"{mlp}down_proj.weight"]]
 
@@ -149,7 +283,8 @@ def native_parts(blocks: dict | None, kernels: set[str]):
 def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rotary: "Rotary", positions: torch.Tensor,
                           cache: StaticKVCache, mask: torch.Tensor | None, hidden_layers=(), hidden=None,
                           first: int = 0, array=None, extra: torch.Tensor | None = None,
-                          final_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                          final_norm: tuple[torch.Tensor, float] | None = None,
+                          local_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder layers through ``dd_layers_forward``, in place on x [N, H]: one C call for all
     of them, which also copies the residual streams of ``hidden_layers`` out on the way.
 
@@ -161,31 +296,43 @@ def native_layers_forward(layers: list[LlamaLayer] | None, x: torch.Tensor, rota
     extra: [N, width] rows that layers built with ``extra`` read before their normed input (an
     EAGLE-3 midlayer's normed embeddings).
     final_norm: (weight [H], epsilon) of an RMSNorm applied to x after the last layer, in the same
-    C call (x is then the normed output)."""
+    C call (x is then the normed output). local_mask: [N, length + N] bool, the mask of layers with a
+    sliding window (:func:`window_mask`; None: ``mask``)."""
     from ddspec.native import layer_array, layers_forward
 
     x = x.contiguous()
     positions = positions.to(torch.int64).contiguous()
     mask = None if mask is None else mask.to(torch.bool).contiguous()
+    local_mask = None if local_mask is None else local_mask.to(torch.bool).contiguous()
     array = layer_array([layer.fused for layer in layers]) if array is None else array
     count = len(array)
     capture = {i: torch.empty_like(x) for i in hidden_layers if 0 <= i < count}
     layers_forward(array, x, positions, rotary.cos, rotary.sin, cache.keys[first:first + count, 0],
-                   cache.values[first:first + count, 0], cache.length, mask, extra, capture, final_norm)
+                   cache.values[first:first + count, 0], cache.length, mask, extra, capture, final_norm, local_mask)
     if capture:
         hidden.update(capture)
     return x
 
 
 class Rotary:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position, of the arch's RoPE or of ``rope``
+    (a dict as LlamaArch.local_rope)."""
 
-    def __init__(self, arch: LlamaArch, device: torch.device, dtype: torch.dtype) -> None:
-        inv = rope_inv_freq(arch).to(device)
+    def __init__(self, arch: LlamaArch, device: torch.device, dtype: torch.dtype, rope: dict | None = None) -> None:
+        s = arch.rope_scaling if rope is None else rope
         t = torch.arange(arch.max_position, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [T, D/2]
+        freqs = torch.outer(t, rope_inv_freq(arch, rope).to(device))  # [T, D/2]
+        scale = 1.0
+        if s is not None and s.get("rope_type") == "longrope":  # past the original context: the long factors
+            old = int(s["original_max_position_embeddings"])
+            d = arch.head_dim
+            long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32)
+                          * float(s["rope_theta"] if rope else arch.rope_theta) ** (torch.arange(0, d, 2).float() / d))
+            freqs[old:] = torch.outer(t[old:], long.to(device))
+            factor = s.get("factor") or arch.max_position / old
+            scale = s.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old)))
         emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, N, H, D]; positions: [N] or [B, N]."""
@@ -212,11 +359,35 @@ def attention(
     qk = rotary.apply(torch.cat([q, k], dim=-1).view(b, n, nh + nkv, d), positions)  # [B, N, nh+nkv, D]
     keys, values = attend(qk[:, :, nh:].transpose(1, 2), v.view(b, n, nkv, d).transpose(1, 2))
     query = qk[:, :, :nh].transpose(1, 2)
+    scale = arch.attn_scale or None
+    if arch.attn_softcap:  # Gemma 2: scores soft-capped before the mask and softmax
+        group = nh // nkv
+        scores = query @ keys.repeat_interleave(group, 1).transpose(-1, -2) * (scale or d ** -0.5)
+        scores = torch.tanh(scores / arch.attn_softcap) * arch.attn_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = scores.softmax(-1) @ values.repeat_interleave(group, 1)
+        return out.transpose(1, 2).reshape(b, n, nh * d)
     # a GPU: no cuDNN plan per shape (see masked_attention_backends); the CPU path skips even the call
     backends = masked_attention_backends(query.device) if mask is not None and query.is_cuda else contextlib.nullcontext()
     with backends:
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv)  # [B, nh, N, D]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=nh != nkv,
+                                             scale=scale)  # [B, nh, N, D]
     return out.transpose(1, 2).reshape(b, n, nh * d)
+
+
+def window_mask(mask: torch.Tensor | None, positions: torch.Tensor, start: int, window: int) -> torch.Tensor | None:
+    """The mask of a sliding-window layer: ``mask`` [.., N, start + N] (None: every key) and, for the
+    row at position p, only the keys at positions > p - window (transformers' rule). The cache holds
+    the committed tokens at slots = positions and the N new ones after them at ``positions``.
+    None when no key falls outside any row's window (the layer then uses ``mask``)."""
+    n = positions.shape[-1]
+    if window <= 0 or int(positions.max()) - window < 0:
+        return None
+    positions = positions.reshape(n)
+    keys = torch.cat([torch.arange(start, device=positions.device), positions])
+    inside = keys.view(1, -1) > (positions.view(n, 1) - window)  # [N, start + N]
+    return inside if mask is None else mask & inside.view(*([1] * (mask.dim() - 2)), n, -1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -232,18 +403,27 @@ def layer_forward(
     attend,  # see attention()
     mask: torch.Tensor | None,  # [B or 1, 1, N, T] bool or None
     kernel: str | None = None,  # None = the layer's plan for this many rows
+    local_mask: torch.Tensor | None = None,  # the mask of a layer with a window (window_mask; None: mask)
 ) -> torch.Tensor:
-    nq, nkv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    nq, nkv, d = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.head_dim
     kernel = kernel or layer.plan.kernel(x.numel() // x.shape[-1])
     h = x if layer.input_norm is None else rms_norm(x, layer.input_norm, arch.rms_eps)
     qkv = layer.qkv(h, kernel)  # [B, N, nq + 2 nkv]
     if layer.qkv_bias is not None:
         qkv = qkv + layer.qkv_bias
     q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-    x = x + layer.o(attention(q, k, v, arch, rotary, positions, attend, mask), kernel)
+    if layer.q_norm is not None:  # Qwen3, Gemma 3: each head normed before RoPE
+        q = rms_norm(q.unflatten(-1, (-1, d)), layer.q_norm, arch.rms_eps).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (-1, d)), layer.k_norm, arch.rms_eps).flatten(-2)
+    if layer.window and local_mask is not None:
+        mask = local_mask
+    out = layer.o(attention(q, k, v, arch, layer.rotary or rotary, positions, attend, mask), kernel)
+    x = x + (out if layer.attn_norm is None else rms_norm(out, layer.attn_norm, arch.rms_eps))
     h = rms_norm(x, layer.post_norm, arch.rms_eps)
     gate, up = layer.gate_up(h, kernel).chunk(2, dim=-1)  # [B, N, I] each
-    return x + layer.down(F.silu(gate) * up, kernel)
+    act = F.silu(gate) if arch.activation == "silu" else F.gelu(gate, approximate="tanh")
+    out = layer.down(act * up, kernel)
+    return x + (out if layer.mlp_norm is None else rms_norm(out, layer.mlp_norm, arch.rms_eps))
 
 
 def measure_layers_plan(layers: list[LlamaLayer], arch: LlamaArch, rotary: Rotary, options: tuple[str, ...],
@@ -419,12 +599,17 @@ class NativeLlama:
         self.device, self.dtype = parts.device, parts.dtype
         w = parts.tensors
         self._tensors, self._head_name = w, parts.head_name  # embeddings and lm_head: fp32 when asked (see embed)
-        self.norm = w["norm.weight"]
+        self.norm = offset_norm(w["norm.weight"], self.arch)
         self._final_norm_c = (self.norm.float().contiguous(), float(self.arch.rms_eps))  # the native forward's own
         self.activations = parts.activations
         compute, head_name = parts.compute, parts.head_name  # what the target multiplies with
         self.layer_plan, self.head_plan = plans
-        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute)
+        self.rotary = Rotary(self.arch, self.device, self.dtype)
+        # Gemma 3's windowed layers turn at their own RoPE base
+        local = None if self.arch.local_rope is None else Rotary(self.arch, self.device, self.dtype, self.arch.local_rope)
+        windows = self.arch.windows or (0,) * self.arch.num_layers
+        self.layers = [LlamaLayer(w, f"layers.{i}.", self.arch, self.layer_plan, blocks=compute, window=windows[i],
+                                  rotary=local if windows[i] else None)
                        for i in range(self.arch.num_layers)]
         head_blocks = compute.get(head_name)
         only_blocks = head_blocks is not None and self.head_plan.needed == {"native"}
@@ -434,7 +619,6 @@ class NativeLlama:
         # the layers hold their (stacked) blocks now; keep the lm_head's (for draft lm_heads) and the
         # embeddings' (rows looked up from them while their fp32 values are not needed elsewhere)
         self.blocks = {k: v for k, v in parts.blocks.items() if k in (head_name, "embed_tokens.weight")}
-        self.rotary = Rotary(self.arch, self.device, self.dtype)
         self.cache: StaticKVCache | None = None
         self.kv_dtype = kv_cache_dtype(parts.activations, self.dtype, self.device)
         # the layers' C structs in one array (for dd_layers_forward), when the native kernel runs them
@@ -507,16 +691,27 @@ class NativeLlama:
         return self._tensors[self._head_name]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for these tokens: their embeddings (Gemma's times sqrt(hidden), in
+        the model's dtype, as transformers scales them)."""
         blocks = self.blocks.get("embed_tokens.weight")
         if blocks is not None and not self._tensors.held("embed_tokens.weight"):  # only these rows, from the blocks
             from ddspec.models.gguf_blocks import dense_of
 
             flat = tokens.reshape(-1).cpu()
-            return dense_of(blocks.select(flat)).to(self.device).reshape(*tokens.shape, -1)
-        return self.embed_tokens[tokens]
+            x = dense_of(blocks.select(flat)).to(self.device).reshape(*tokens.shape, -1)
+        else:
+            x = self.embed_tokens[tokens]
+        if self.arch.embed_scale != 1.0:
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
+        return x
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping (cap * tanh(logits / cap)); the logits as they are elsewhere."""
+        cap = self.arch.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_w(features, self.head_plan.kernel(features.numel() // features.shape[-1]))
+        return self._softcap(self.lm_head_w(features, self.head_plan.kernel(features.numel() // features.shape[-1])))
 
     def _lm_head_argmax(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, each row's argmax or None): the argmax comes with the logits where the lm_head runs
@@ -524,7 +719,8 @@ class NativeLlama:
         native = self.lm_head_w.native
         if native is None or self.head_plan.kernel(features.shape[0]) != "native":
             return self.lm_head(features), None
-        return native.with_argmax(features)
+        logits, best = native.with_argmax(features)
+        return self._softcap(logits), best  # a monotone map: the same argmax
 
     def lm_head_weight_t(self) -> torch.Tensor:
         """The lm_head as [H, V] (a view of the [V, H] weight; what drafters and trainers multiply by)."""
@@ -564,11 +760,13 @@ class NativeLlama:
         full = expand_mask(mask, cache.length, n, self.device)
         attn_mask = None if full is None else full.view(1, 1, n, -1)
         positions = positions.to(self.device)
+        local = window_mask(full, positions, cache.length, self.arch.window)  # the windowed layers' (or None)
         x = self.embed(tokens.to(self.device)).view(1, n, -1)  # [1, N, H]
         hidden: dict[int, torch.Tensor] = {}
         if self.layer_plan.kernel(n) == "native":
             features = native_layers_forward(self.layers, x[0], self.rotary, positions, cache, full, hidden_layers,
-                                             hidden, array=self._layer_array, final_norm=self._final_norm_c)
+                                             hidden, array=self._layer_array, final_norm=self._final_norm_c,
+                                             local_mask=local)
             cache.advance(n)
             if self.arch.num_layers in hidden_layers:
                 hidden[self.arch.num_layers] = features
@@ -580,6 +778,7 @@ class NativeLlama:
             x = layer_forward(
                 layer, x, self.arch, self.rotary, positions,
                 lambda k, v, i=i: cache.write(i, k, v), attn_mask,
+                local_mask=None if local is None else local.view(1, 1, n, -1),
             )
         cache.advance(n)
         features = self.final_norm(x[0])  # [N, H]
@@ -627,11 +826,12 @@ class NativeLlama:
             mask = mask & attention_mask.to(self.device, torch.bool).view(b, 1, 1, t)
             mask = mask | torch.eye(t, dtype=torch.bool, device=self.device)  # no empty rows
         positions = torch.arange(t, device=self.device)
+        local = window_mask(mask, positions, 0, self.arch.window)
         x = self.embed(tokens.to(self.device))
         for i, layer in enumerate(self.layers[:upto]):
             if visit:
                 visit(i, x)
-            x = layer_forward(layer, x, self.arch, self.rotary, positions, lambda k, v: (k, v), mask)
+            x = layer_forward(layer, x, self.arch, self.rotary, positions, lambda k, v: (k, v), mask, local_mask=local)
         if visit:
             visit(upto, x)
         return x

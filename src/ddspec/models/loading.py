@@ -27,7 +27,7 @@ import torch
 
 from ddspec.errors import ModelLoadError
 from ddspec.machine import cache_root, return_free_memory
-from ddspec.models.base import SUPPORTED_NATIVE_FAMILIES, ModelInfo
+from ddspec.models.base import ModelInfo
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -274,17 +274,23 @@ def load_target(
     family = cfg.get("model_type", "unknown")
     tokenizer = load_tokenizer(model_dir)
     info = model_info(cfg, tokenizer, model_dir, DEFAULT_NAME if spec == DEFAULT_MODEL else spec)
-    native_ok = family in SUPPORTED_NATIVE_FAMILIES and not _needs_sliding_window(cfg)
+    from ddspec.models.llama import why_not_native
+
+    why_not = why_not_native(cfg)
+    native_ok = why_not is None
     if impl == "native" and not native_ok:
         raise ModelLoadError(
-            f"the native implementation supports {', '.join(SUPPORTED_NATIVE_FAMILIES)}; {spec} is "
-            f"{family!r}. Use --impl hf (any HF causal LM with 4D masks) or leave --impl auto."
+            f"the native implementation cannot run {spec}: {why_not}. Use --impl hf (any HF causal LM with 4D "
+            f"masks) or leave --impl auto."
         )
     if activations != "fp32" and (impl == "hf" or not native_ok):
         raise ModelLoadError(f"--activations {activations} needs the native implementation (--impl native or "
                              f"auto, a Llama-family model); use --activations fp32 with --impl hf")
     if impl == "native" or (impl == "auto" and native_ok):
         return load_native_target(model_dir, cfg, info, tokenizer, device, dtype, gguf, activations)
+    if impl == "auto":  # never a silent slow path
+        print(f"ddspec: running {info.name} through transformers (slower than the native forward): {why_not}",
+              file=sys.stderr)
     return load_hf_target(model_dir, info, tokenizer, device, dtype)
 
 
@@ -316,12 +322,6 @@ def _gguf_source(spec: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _needs_sliding_window(cfg: dict) -> bool:
-    window = cfg.get("sliding_window")
-    use = cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
-    return bool(use and window and window < cfg.get("max_position_embeddings", 0))
-
-
 def load_hf_target(model_dir: Path, info: ModelInfo, tokenizer, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -329,14 +329,22 @@ def load_hf_target(model_dir: Path, info: ModelInfo, tokenizer, device: str, dty
 
     from ddspec.models.gguf_blocks import read_manifest
 
+    def attention(make):  # sdpa, or eager where the family has no sdpa path (Gemma 2's soft-capping)
+        try:
+            return make("sdpa")
+        except ValueError as e:
+            if "attention implementation" not in str(e):
+                raise
+            return make("eager")
+
     try:
         if read_manifest(model_dir) is None:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            model = attention(lambda a: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=a))
         else:  # weights held as GGUF blocks: the model from its config, then every weight dequantised
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_dir)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = attention(lambda a: AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=a))
             weights = load_weights(model_dir)
             if config.tie_word_embeddings:
                 weights.pop("lm_head.weight", None)

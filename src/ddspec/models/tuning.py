@@ -61,7 +61,7 @@ def choose_passes(parts: LlamaWeights) -> None:
     blocks = parts.compute
     if not blocks or not native.available():
         return
-    groups = [names for i in range(parts.arch.num_layers) for names in stacked_names(f"layers.{i}.")
+    groups = [names for i in range(parts.arch.num_layers) for names in stacked_names(f"layers.{i}.", parts.arch)
               if all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1]
     head = blocks.get(parts.head_name)
     shapes: dict[str, set[str]] = {}
@@ -113,9 +113,7 @@ def _plans(parts: LlamaWeights) -> tuple[KernelPlan, KernelPlan]:
                  for i in probe_layers]
         return measure_layers_plan(probe, arch, Rotary(arch, parts.device, parts.dtype), options)
 
-    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    layer_shapes = [list(w.shape(f"layers.0.{n}.weight")) for n in names]
+    layer_shapes = [list(w.shape(n)) for names in stacked_names("layers.0.", arch) for n in names]
     variant = ",".join(sorted({f"{b.kind}" for b in blocks.values()}))  # which GGUF blocks the native kernel reads
     layer_plan = choose_plan(f"layers x{len(probe_layers)}", layer_shapes, parts.device, parts.dtype, layers, variant)
     head_plan = choose_plan("lm_head", [list(head.shape)], parts.device, parts.dtype,

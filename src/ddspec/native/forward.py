@@ -15,12 +15,20 @@ KV_DTYPES = (torch.float32, torch.float16)  # the caches dd_layers_forward reads
 
 
 def layer_struct(arch, in_norm, post_norm, qkv: NativeWeight, o: NativeWeight, gate_up: NativeWeight,
-                 down: NativeWeight, extra: int = 0) -> CLayer:
+                 down: NativeWeight, extra: int = 0, q_norm=None, k_norm=None, attn_norm=None, mlp_norm=None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0) -> CLayer:
     """extra > 0: q/k/v read ``cat(extra row, in_norm(x))`` (an EAGLE-3 midlayer), the extra rows
-    given to :func:`layers_forward`."""
+    given to :func:`layers_forward`. q_norm / k_norm: [head_dim] norms of each q and k head;
+    attn_norm / mlp_norm: [hidden] norms of the attention's and MLP's outputs (fp32, contiguous,
+    kept alive by the caller, as every norm); rope: the layer's own (cos, sin) tables; window > 0:
+    the layer attends through layers_forward's local mask. The activation, attention scale and
+    soft-capping come from ``arch`` (LlamaArch; its defaults for other archs)."""
+    cos, sin = rope if rope is not None else (None, None)
     return CLayer(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, down.in_features,
                   arch.rms_eps, ptr(in_norm), ptr(post_norm), qkv.struct, o.struct, gate_up.struct, down.struct,
-                  extra)
+                  extra, ptr(q_norm), ptr(k_norm), ptr(attn_norm), ptr(mlp_norm),
+                  int(getattr(arch, "activation", "silu") == "gelu_tanh"), float(getattr(arch, "attn_scale", 0.0) or 0.0),
+                  float(getattr(arch, "attn_softcap", 0.0) or 0.0), int(window), ptr(cos), ptr(sin))
 
 
 def layer_array(layers: list[CLayer]):
@@ -52,13 +60,15 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    mask: torch.Tensor | None, extra: torch.Tensor | None = None,
                    capture: dict[int, torch.Tensor] | None = None,
-                   final_norm: tuple[torch.Tensor, float] | None = None) -> None:
+                   final_norm: tuple[torch.Tensor, float] | None = None,
+                   local_mask: torch.Tensor | None = None) -> None:
     """Every layer of ``array`` in order, in place on x [n, H], in one C call. keys/values: the
     caches of those layers [count, Hkv, Tmax, D] (a contiguous slice of the model's cache), both fp32
     or both fp16 (each new key and value is then rounded to fp16 as it is written).
     extra: [n, E] fp32 contiguous, for layers built with ``extra=E``. capture: {i: out} with out
     [n, H] fp32 contiguous, filled with x as it enters layer i. final_norm: (weight [H] fp32
-    contiguous, epsilon) of an RMSNorm applied to x after the last layer, in the same call."""
+    contiguous, epsilon) of an RMSNorm applied to x after the last layer, in the same call.
+    local_mask: [n, start + n] bool, the mask of layers built with a window (None: ``mask``)."""
     n, count = x.shape[0], len(array)
     if keys.dtype != values.dtype or keys.dtype not in KV_DTYPES:
         raise ValueError(f"dd_layers_forward takes fp32 or fp16 keys and values, got {keys.dtype} and {values.dtype}")
@@ -70,7 +80,7 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
         keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2], start,
         None if mask is None else mask.data_ptr(), torch.get_num_threads(), None if extra is None else extra.data_ptr(),
         slots, None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1],
-        int(keys.dtype == torch.float16))
+        int(keys.dtype == torch.float16), None if local_mask is None else local_mask.data_ptr())
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")

@@ -33,7 +33,11 @@ class CLayer(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", CWeight), ("o", CWeight), ("gate_up", CWeight), ("down", CWeight), ("extra", ctypes.c_int64)]
+                ("qkv", CWeight), ("o", CWeight), ("gate_up", CWeight), ("down", CWeight), ("extra", ctypes.c_int64),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("attn_norm", ctypes.c_void_p),
+                ("mlp_norm", ctypes.c_void_p), ("act", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float), ("window", ctypes.c_int64), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p)]
 
 
 def start_build() -> None:
@@ -88,7 +92,7 @@ def library() -> ctypes.CDLL | None:
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     lib.dd_layers_forward.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64

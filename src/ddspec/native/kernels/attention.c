@@ -9,6 +9,15 @@
  * tree's row gets bit for bit what the same token gets decoded alone after its ancestors (the
  * values pass adds p = 0 for the hidden keys, which changes no sum). */
 static float softmax_dense(float *srow, int64_t T);
+
+/* s[t] <- cap * tanh(s[t] / cap) for the scores a mask leaves (-inf stays -inf): Gemma 2's
+ * soft-capping of attention scores, before the softmax. */
+static void cap_scores(float *s, int64_t T, float cap) {
+    const float inv = 1.0f / cap;
+    for (int64_t t = 0; t < T; t++)
+        if (s[t] != -INFINITY) s[t] = cap * tanhf(s[t] * inv);
+}
+
 static float softmax_row(float *srow, int64_t T, const uint8_t *mrow) {
     const uint8_t *hidden = mrow ? memchr(mrow, 0, (size_t)T) : NULL;
     if (!hidden) return softmax_dense(srow, T);
@@ -93,17 +102,17 @@ static int attention_mode = 0;
 
 DD_HIDDEN void dd_attention(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
                             void *kc, void *vc, int64_t tmax, int64_t T, const uint8_t *mask, float scale,
-                            float *scores_all, float *attn, int causal, int kv_half) {
+                            float softcap, float *scores_all, float *attn, int causal, int kv_half) {
     /* one token's rows alone; several tokens share each kv head's reads */
     const int rows = attention_mode == 1 || (attention_mode == 0 && n == 1);
     if (kv_half && rows)
-        attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        attention_rows_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, softcap, scores_all, attn);
     else if (kv_half)
-        attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
+        attention_shared_f16(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, softcap, scores_all, attn, causal);
     else if (rows)
-        attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn);
+        attention_rows_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, softcap, scores_all, attn);
     else
-        attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal);
+        attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, softcap, scores_all, attn, causal);
 }
 
 int dd_set_attention(int mode) {

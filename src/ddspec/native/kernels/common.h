@@ -86,6 +86,20 @@ typedef struct {
     dd_weight qkv, o, gate_up, down;
     int64_t extra; /* > 0: q/k/v read cat(extra[i], in_norm(x[i])), extra given per call [n, extra]
                     * (an EAGLE-3 midlayer: the normed embedding beside the normed hidden state) */
+    /* what other families add (all zero / NULL for Llama, Mistral, Qwen2 and the heads):
+     * q_norm / k_norm: [head_dim] RMSNorms of each q and k head before RoPE (Qwen3, Gemma 3);
+     * attn_norm / mlp_norm: [hidden] RMSNorms of the attention's and the MLP's outputs before they
+     * join the residual stream (Gemma 2 and 3; Gemma's (1 + w) is folded into every norm weight);
+     * act: the gate's activation, 0 SiLU, 1 GELU (tanh approximation, Gemma);
+     * scale: the attention's scale (0: 1 / sqrt(head_dim)); softcap: > 0, scores become
+     * softcap * tanh(score / softcap) (Gemma 2); window: > 0, the layer attends through the local
+     * mask (a sliding window: dd_layers_forward's local_mask); cos / sin: the layer's own RoPE tables
+     * (Gemma 3's local layers), NULL for the call's. */
+    const float *q_norm, *k_norm, *attn_norm, *mlp_norm;
+    int64_t act;
+    float scale, softcap;
+    int64_t window;
+    const float *cos, *sin;
 } dd_layer;
 
 #define TILE 6 /* rows per pass: 6 rows x 2 vectors = 12 accumulators of the 16 ymm registers */
@@ -454,6 +468,6 @@ static inline float exp1(float x) {
  * (0: rows for one token, shared for more), over an fp32 cache or, with kv_half, an fp16 one. */
 DD_HIDDEN void dd_attention(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,
                             void *kc, void *vc, int64_t tmax, int64_t T, const uint8_t *mask, float scale,
-                            float *scores, float *attn, int causal, int kv_half);
+                            float softcap, float *scores, float *attn, int causal, int kv_half);
 
 #endif /* DD_COMMON_H */

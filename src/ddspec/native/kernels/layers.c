@@ -58,6 +58,25 @@ uint64_t dd_cycles(void) {
 #define PHASE(k) ((void)0)
 #endif
 
+/* x [n, hidden] += in @ W^T, or with a norm (Gemma 2 and 3's norms of the attention's and the MLP's
+ * outputs) x += norm(in @ W^T), the product going through tmp [n, hidden] (free scratch). */
+static void add_output(const dd_layer *L, const dd_weight *W, const float *norm, const float *in, int64_t n, float *x,
+                       float *tmp) {
+    const int64_t H = L->hidden;
+    if (!norm) {
+        dd_matmul(W, in, n, x, H, 1);
+        return;
+    }
+    dd_matmul(W, in, n, tmp, H, 0);
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < n; i++) {
+        float *t = tmp + i * H, *xi = x + i * H;
+        rms_norm_row(t, norm, H, L->eps, t);
+        for (int64_t c = 0; c < H; c++) xi[c] += t[c];
+    }
+    dd_sync();
+}
+
 static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
     const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
     return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
@@ -87,7 +106,8 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
     float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
-    const float scale = 1.0f / sqrtf((float)D);
+    const float scale = L->scale > 0.0f ? L->scale : 1.0f / sqrtf((float)D);
+    if (L->cos) cos_t = L->cos, sin_t = L->sin;
     PHASE_START();
     /* 1. input norm (after the row's extra inputs, if any), then q, k, v */
 #pragma omp for schedule(static) nowait
@@ -106,6 +126,8 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     for (int64_t j = 0; j < n * (nh + nkv); j++) {
         const int64_t i = j / (nh + nkv), head = j % (nh + nkv);
         float *v = qkv + i * wqkv + head * D;
+        const float *qk_norm = head < nh ? L->q_norm : L->k_norm;
+        if (qk_norm) rms_norm_row(v, qk_norm, D, L->eps, v);
         rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
         if (head >= nh) {
             const int64_t g = head - nh;
@@ -123,10 +145,10 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     dd_sync();
     PHASE(2);
     /* 3. attention: one token's rows alone; several tokens share each kv head's reads (dd_attention) */
-    dd_attention(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, scores_all, attn, causal, kv_half);
+    dd_attention(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, L->softcap, scores_all, attn, causal, kv_half);
     PHASE(3);
-    /* 4. x += o(attn); 5. post norm; 6. gate and up; 7. silu(gate) * up; 8. x += down(...) */
-    dd_matmul(&L->o, attn, n, x, H, 1);
+    /* 4. x += o(attn) (or its norm); 5. post norm; 6. gate and up; 7. act(gate) * up; 8. x += down(...) */
+    add_output(L, &L->o, L->attn_norm, attn, n, x, h);
     PHASE(4);
 #pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < n; i++) rms_norm_row(x + i * H, L->post_norm, H, L->eps, h + i * H);
@@ -143,6 +165,21 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
         const float *g = gu + i * 2 * I, *u = g + I;
         float *a = act + i * I;
         int64_t c = c0;
+        if (L->act == 1) { /* GELU, tanh approximation: 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (e^2u + 1) */
+            for (; c + 8 <= c1; c += 8) {
+                const __m256 gv = _mm256_loadu_ps(g + c), g3 = _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv);
+                const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f),
+                                                _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, gv));
+                const __m256 th = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                _mm256_add_ps(exp8(u2), _mm256_set1_ps(1.0f))));
+                _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv),
+                                                                    _mm256_add_ps(_mm256_set1_ps(1.0f), th)),
+                                                      _mm256_loadu_ps(u + c)));
+            }
+            for (; c < c1; c++)
+                a[c] = 0.5f * g[c] * (1.0f + tanhf(0.7978845608028654f * (g[c] + 0.044715f * g[c] * g[c] * g[c]))) * u[c];
+            continue;
+        }
         for (; c + 8 <= c1; c += 8) {
             const __m256 gv = _mm256_loadu_ps(g + c);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
@@ -153,7 +190,7 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     }
     dd_sync();
     PHASE(7);
-    dd_matmul(&L->down, act, n, x, H, 1);
+    add_output(L, &L->down, L->mlp_norm, act, n, x, h);
     PHASE(8);
 }
 
@@ -179,11 +216,13 @@ static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
  * RMSNorm (epsilon final_eps) applied to each row of x after the last layer, in place (a model's
  * final norm here rather than as a torch op afterwards: after a forward streamed the weights
  * through the caches, a first torch op measured 30-60 us instead of 4-13). Returns 0, or the
- * first nonzero code with the failing layer's index * 8 added. */
+ * first nonzero code with the failing layer's index * 8 added. local_mask: [n, start + n], the mask of the
+ * layers with a window (sliding-window attention), NULL when it equals mask. */
 int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
                       const float *cos_t, const float *sin_t, void *kc, void *vc, int64_t layer_stride,
                       int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra,
-                      float *const *capture, const float *final_norm, float final_eps, int kv_half) {
+                      float *const *capture, const float *final_norm, float final_eps, int kv_half,
+                      const uint8_t *local_mask) {
     int64_t size = 0; /* one scratch buffer for all the layers */
     for (int64_t i = 0; i < count; i++) {
         const int rc = layer_check(layers + i, n, tmax, start, extra);
@@ -194,6 +233,8 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
     float *buf = malloc(sizeof(float) * (size_t)(size + 1));
     if (!buf) return 2;
     const int causal = is_causal(mask, n, start);
+    if (!local_mask) local_mask = mask; /* no key outside the windows */
+    const int local_causal = local_mask == mask ? causal : is_causal(local_mask, n, start);
     dd_span spans[DD_MAX_SPANS] = {{0}};
     dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
 #pragma omp parallel num_threads(nthreads)
@@ -205,8 +246,9 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
             if (capture && capture[i] && omp_get_thread_num() == 0)
                 memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
             const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
-            layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start, mask,
-                              causal, extra, buf, kv_half);
+            const int local = layers[i].window > 0;
+            layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start,
+                              local ? local_mask : mask, local ? local_causal : causal, extra, buf, kv_half);
         }
         team_leave();
     }
