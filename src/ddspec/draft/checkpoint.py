@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ddspec.draft.head import EagleHead
+from ddspec.models.llama import HEAD_FAMILIES, head_arch
 from ddspec.errors import ModelLoadError
 from ddspec.models.base import ModelInfo
 
@@ -31,6 +32,9 @@ def head_config_for(target_config: dict, *, bias: bool = True, layers: int = 1) 
             "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
             "vocab_size", "attention_bias", "hidden_act", "model_type")
     cfg = {k: target_config[k] for k in keep if k in target_config}
+    if cfg.get("model_type", "llama") not in HEAD_FAMILIES:  # Llama layers for any other family's target
+        cfg.update(model_type="llama", hidden_act="silu", rope_parameters=head_arch(target_config, layers).rope_parameters())
+        cfg.pop("rope_scaling", None)
     family = cfg.get("model_type", "llama")
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
     cfg.update(num_hidden_layers=layers, bias=bias, architectures=[arch.get(family, "LlamaForCausalLM")])

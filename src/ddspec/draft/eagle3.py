@@ -36,7 +36,7 @@ from torch import nn
 from ddspec.draft.head import HeadMLP, RMSNormWeight, cached_rotary
 from ddspec.kv_cache import StaticKVCache
 from ddspec.models.base import TargetOutput
-from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
+from ddspec.models.llama import LlamaArch, Rotary, attention, head_arch, rms_norm
 
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle3")
 
@@ -82,7 +82,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = dict(config)
         self.capture_layers = tuple(int(i) for i in capture_layers)
-        arch = LlamaArch.from_hf_config({**config, "num_hidden_layers": 1})
+        arch = head_arch(config, 1)
         if max_position is not None and max_position > arch.max_position:
             arch = dataclasses.replace(arch, max_position=max_position)
         self.arch = arch

@@ -30,7 +30,7 @@ from torch import nn
 
 from ddspec.draft.features import fusion_input
 from ddspec.kv_cache import StaticKVCache
-from ddspec.models.llama import LlamaArch, Rotary, attention, rms_norm
+from ddspec.models.llama import LlamaArch, Rotary, attention, head_arch, rms_norm
 
 
 def cached_rotary(head: nn.Module) -> Rotary:
@@ -84,7 +84,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = dict(config)
         n_layers = int(config.get("num_hidden_layers", 1))
-        self.arch = LlamaArch.from_hf_config({**config, "num_hidden_layers": n_layers})
+        self.arch = head_arch(config, n_layers)
         h = self.arch.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=bool(config.get("bias", True)))
         self.layers = nn.ModuleList([HeadLayer(self.arch, first=i == 0) for i in range(n_layers)])

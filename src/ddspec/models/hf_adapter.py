@@ -30,6 +30,15 @@ class HFTarget:
         # the KV cache's keyword: `cache` in recent transformers, `past_key_values` before (5.17 and older
         # take an unknown keyword into **kwargs without a word and keep no cache)
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        from ddspec.models.llama import layer_windows
+
+        # sliding windows: the cache keeps every key (commit and truncate index it) and the masks hide
+        # what a window hides, per layer type where only some layers have one (transformers' mask dict)
+        windows = layer_windows(self.hf_config) if "num_hidden_layers" in self.hf_config else ()
+        self._window = max(windows, default=0)
+        self._every_layer_windowed = bool(windows) and min(windows) > 0
+        # eager attention (Gemma 2's soft-capping) adds its mask to the scores: 0 / -inf, not True / False
+        self._additive_masks = getattr(model.config, "_attn_implementation", None) == "eager"
 
     @property
     def cache_length(self) -> int:
@@ -38,7 +47,7 @@ class HFTarget:
     def reset(self, max_length: int) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache() if self._window else DynamicCache(config=self.model.config)
         self.length = self.pending = 0
 
     def reserve(self, max_length: int) -> None:
@@ -65,7 +74,10 @@ class HFTarget:
         self.length, self.pending = length, 0
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(tokens)
+        x = self.model.get_input_embeddings()(tokens)
+        if self.hf_config.get("model_type") in ("gemma", "gemma2"):  # scaled in the model's forward, not the module
+            x = x * torch.tensor(self.hf_config["hidden_size"] ** 0.5, dtype=x.dtype)
+        return x
 
     def lm_head(self, features: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(features)
@@ -89,11 +101,24 @@ class HFTarget:
         full = expand_mask(mask, self.length, n, self.device)
         if full is None:
             full = torch.ones(1, self.length + 1, dtype=torch.bool, device=self.device)
+        attention_mask = full.view(1, 1, n, -1)
+        if self._window:
+            from ddspec.models.llama import window_mask
+
+            local = window_mask(full, positions.to(self.device), self.length, self._window)
+            local = attention_mask if local is None else local.view(1, 1, n, -1)
+            attention_mask = local if self._every_layer_windowed else {"full_attention": attention_mask,
+                                                                         "sliding_attention": local}
+        if self._additive_masks:
+            def additive(m: torch.Tensor) -> torch.Tensor:
+                return torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill_(~m, float("-inf"))
+            attention_mask = ({k: additive(v) for k, v in attention_mask.items()} if isinstance(attention_mask, dict)
+                              else additive(attention_mask))
         with masked_attention_backends(self.device):  # a GPU: no cuDNN plan per shape
             out = self.model(
                 input_ids=tokens.to(self.device).view(1, n),
                 position_ids=positions.to(self.device).view(1, n),
-                attention_mask=full.view(1, 1, n, -1),
+                attention_mask=attention_mask,
                 **{self._cache_kwarg: self.cache},
                 use_cache=True,
                 output_hidden_states=True,

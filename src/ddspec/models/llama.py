@@ -165,10 +165,29 @@ class LlamaArch:
             fused_proj=family == "phi3",
         )
 
+    def rope_parameters(self) -> dict:
+        """The global RoPE as a config's ``rope_parameters``."""
+        return dict(self.rope_scaling or {"rope_type": "default"}, rope_theta=self.rope_theta)
+
     @property
     def window(self) -> int:
         """The sliding window of the layers that have one (0: none has)."""
         return max(self.windows, default=0)
+
+
+HEAD_FAMILIES = ("llama", "qwen2", "mistral")  # the decoder layers a draft head is built from
+
+
+def head_arch(config: dict, layers: int) -> LlamaArch:
+    """The arch of a draft head's ``layers`` decoder layers from its config.json (or its target's):
+    Llama layers (Qwen2's with q/k/v biases) whatever the target's family: no Gemma norms or
+    soft-capping, no windows, SiLU, and the RoPE of the target's global layers."""
+    cfg = {k: v for k, v in config.items() if k not in ("layer_types", "sliding_window", "hidden_activation")}
+    if cfg.get("model_type") not in HEAD_FAMILIES:
+        cfg["rope_parameters"] = _rope_of(config, "full_attention" if config.get("model_type") == "gemma3_text" else None)
+        cfg["model_type"] = "llama"
+    cfg.update(num_hidden_layers=layers, hidden_act="silu")
+    return LlamaArch.from_hf_config(cfg)
 
 
 def rope_inv_freq(arch: LlamaArch, rope: dict | None = None) -> torch.Tensor:

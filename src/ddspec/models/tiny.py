@@ -10,8 +10,6 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-import torch
-
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -88,6 +86,7 @@ def tiny_config(family: str = "llama", vocab_size: int = 128, hidden: int = 64, 
 
 def make_tiny_model_dir(path: str | Path, family: str = "llama", seed: int = 0, **kwargs) -> Path:
     """Save a random tiny model + tokenizer as a HF folder at ``path`` and return it."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(path)

@@ -23,6 +23,7 @@ import argparse
 import os
 
 from ddspec.config import TreeConfig
+from ddspec.models.tiny import FAMILIES as TINY_FAMILIES
 
 STAGES = ("data", "layers", "merge", "fit", "calibrate", "eval", "export", "all")
 
@@ -42,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="run folder: data shards, checkpoints, logs, results")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random model and a few prompts: the whole pipeline in about a minute")
+    p.add_argument("--tiny-family", default="llama", choices=TINY_FAMILIES,
+                   help="the tiny model's family with --tiny (default llama; the windowed families get a "
+                        "16-token sliding window, shorter than the tiny prompts and answers)")
     p.add_argument("--prompts", default=default_prompts(),
                    help="training prompts JSONL, plain or .gz (question_id/id, category, turns); default: the "
                         "15,586 training prompts shipped with ddspec (ddspec/data/README.md). Never the "

@@ -59,15 +59,17 @@ PREFILL_TOKENS = 4096  # padded prompt tokens run together at most
 
 
 def _layers_forward(target: NativeLlama, x: torch.Tensor, positions: torch.Tensor, attend, mask: torch.Tensor,
-                    capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """All decoder layers + final norm; ``attend(layer)`` gives the layer's cache writer.
+                    capture: tuple[int, ...] = (), local_mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """All decoder layers + final norm; ``attend(layer)`` gives the layer's cache writer; the layers
+    with a sliding window attend through ``local_mask`` (None: ``mask``).
     Returns the features and, with ``capture``, the residual streams entering those layers (HF
     ``hidden_states`` indices) concatenated in that order: [..., len(capture) * H], else None."""
     states: dict[int, torch.Tensor] = {}
     for li, layer in enumerate(target.layers):
         if li in capture:
             states[li] = x
-        x = layer_forward(layer, x, target.arch, target.rotary, positions, attend(li), mask)
+        x = layer_forward(layer, x, target.arch, target.rotary, positions, attend(li), mask, local_mask=local_mask)
     return target.final_norm(x), (torch.cat([states[i] for i in capture], dim=-1) if capture else None)
 
 
@@ -133,7 +135,10 @@ class ContinuousBatcher:
                 return k, v
             return store
 
-        h, st = _layers_forward(t, t.embed(tokens), positions, attend, mask, self.capture)  # [B, P, H]
+        window = t.arch.window  # a sliding window: keys at positions > p - window (the diagonal stays)
+        local = None if not window else mask & ((positions.view(-1, 1, 1, p) > positions.view(-1, 1, p, 1) - window)
+                                                | torch.eye(p, dtype=torch.bool, device=dev))
+        h, st = _layers_forward(t, t.embed(tokens), positions, attend, mask, self.capture, local)  # [B, P, H]
         r = torch.tensor(rows, device=dev)
         for li, (k, v) in enumerate(kv):
             self.keys[li, r, :, self.s - p : self.s] = k
@@ -184,7 +189,9 @@ class ContinuousBatcher:
                 return self.keys[li, :, :, lo : s + 1], self.values[li, :, :, lo : s + 1]
             return store
 
-        h, st = _layers_forward(t, t.embed(tokens.view(-1, 1)), positions, attend, mask, self.capture)
+        window = t.arch.window  # every row's position is its slot minus its start: the window is s - window on
+        local = None if not window else mask.masked_fill(slots.view(1, 1, 1, -1) <= s - window, float("-inf"))
+        h, st = _layers_forward(t, t.embed(tokens.view(-1, 1)), positions, attend, mask, self.capture, local)
         self.s += 1
         return h[:, 0], (None if st is None else st[:, 0])
 

@@ -63,9 +63,11 @@ def _setup(args: argparse.Namespace):
     if args.tiny:
         from ddspec.models.tiny import make_tiny_model_dir
 
-        tiny = out / "tiny_model"
+        family = getattr(args, "tiny_family", "llama")
+        tiny = out / ("tiny_model" if family == "llama" else f"tiny_model-{family}")
         if not (tiny / "config.json").is_file():
-            make_tiny_model_dir(tiny, "llama", seed=0, hidden=64, layers=2, max_position=1024)
+            make_tiny_model_dir(tiny, family, seed=0, hidden=64, layers=6 if family == "gemma3" else 2,
+                                max_position=1024, sliding_window=16)
         model = str(tiny)
     target = target_from_args(args, model=model, impl="native")
     return out, target

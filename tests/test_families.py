@@ -1,0 +1,174 @@
+"""The native forward of the families beyond Llama: Qwen3, Gemma 1/2/3, Phi-3, and Mistral with a
+sliding window. Tiny random models built with transformers' own classes; the windows (8 tokens)
+are shorter than the sequences, so the windowed layers' masks matter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddspec.config import StopConfig
+from ddspec.draft.checkpoint import random_head
+from ddspec.draft.eagle import EagleDrafter
+from ddspec.engine import Engine
+from ddspec.methods import METHODS, make_drafter, tree_config
+from test_models import ancestor_mask, path_to, random_tree
+from test_spec_engine import SMALL, eagle
+
+FAMILIES = ("qwen3", "gemma", "gemma2", "gemma3", "phi3", "mistral")
+WINDOW = 8
+TOL = 1e-4
+
+
+def _shape(family: str) -> dict:
+    return dict(layers=6 if family == "gemma3" else 2, max_position=128,
+                sliding_window=None if family in ("qwen3", "gemma") else WINDOW)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_tiny_model_dir(root / f, f, seed=20 + i, **_shape(f)) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def family_targets(family_dirs):
+    from ddspec.models.loading import load_target
+
+    return {(f, impl): load_target(str(d), impl=impl) for f, d in family_dirs.items() for impl in ("native", "hf")}
+
+
+def test_every_family_runs_native_with_its_windows(family_targets):
+    windows = {f: family_targets[(f, "native")].arch.windows for f in FAMILIES}
+    assert windows["gemma3"] == (WINDOW,) * 5 + (0,)  # five local layers to one global
+    assert windows["gemma2"] == (WINDOW, 0) and windows["phi3"] == windows["mistral"] == (WINDOW, WINDOW)
+    assert windows["qwen3"] == windows["gemma"] == (0, 0)
+    for f in FAMILIES:
+        assert type(family_targets[(f, "native")]).__name__ == "NativeLlama"
+
+
+@pytest.mark.parametrize("kernel", ["native", "linear"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_matches_transformers_over_prefill_and_steps(family_dirs, family_targets, family, kernel, monkeypatch):
+    """Logits and features equal transformers' own forward (its masks, its windows) within TOL: a
+    23-token prefill, then one token at a time past the window."""
+    from ddspec.models.loading import load_target
+
+    monkeypatch.setenv("DDSPEC_KERNEL", kernel)
+    native = load_target(str(family_dirs[family]), impl="native")
+    assert native.layer_plan.needed == {kernel}
+    model = family_targets[(family, "hf")].model
+    tokens = torch.randint(0, native.info.vocab_size, (27,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=tokens.view(1, -1), output_hidden_states=True)
+    logits, features = ref.logits[0], ref.hidden_states[-1][0]
+    native.reset(64)
+    out = native.forward(tokens[:23], torch.arange(23))
+    native.commit(torch.arange(23))
+    assert (out.logits - logits[:23]).abs().max() <= TOL
+    assert (out.features - features[:23]).abs().max() <= TOL
+    assert out.logits.std() > 0.1  # not a degenerate model
+    for i in range(23, 27):
+        step = native.forward(tokens[i:i + 1], torch.tensor([i]))
+        native.commit(torch.tensor([0]))
+        assert (step.logits[0] - logits[i]).abs().max() <= TOL, f"step at position {i}"
+
+
+@pytest.mark.parametrize("impl", ["native", "hf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_rows_equal_their_paths_past_the_window(family_targets, family, impl):
+    """A 14-node tree after 12 tokens (deeper than the 8-token window): every row's logits equal its
+    path decoded alone, for the native forward and for the HF adapter's per-layer-type masks."""
+    target = family_targets[(family, impl)]
+    gen = torch.Generator().manual_seed(7)
+    vocab = target.info.vocab_size
+    prefix = torch.randint(0, vocab, (12,), generator=gen)
+    n = 14
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    parents, depths = random_tree(n, gen)
+    target.reset(64)
+    target.forward(prefix, torch.arange(12))
+    target.commit(torch.arange(12))
+    tree_out = target.forward(tokens, 12 + depths, ancestor_mask(parents))
+    for leaf in sorted(set(range(n)) - set(parents.tolist())):
+        path = path_to(parents, leaf)
+        target.truncate(12)
+        seq = target.forward(tokens[path], 12 + torch.arange(len(path)))
+        assert (seq.logits - tree_out.logits[path]).abs().max() <= TOL, f"path {path}"
+
+
+def test_the_hf_adapter_applies_the_windows(family_targets):
+    """The adapter's decoding equals transformers' own forward past the window (its cache keeps
+    every key; its masks hide what each layer type's window hides)."""
+    for family in ("gemma3", "mistral"):
+        adapter = family_targets[(family, "hf")]
+        tokens = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            ref = adapter.model(input_ids=tokens.view(1, -1)).logits[0]
+        adapter.reset(64)
+        adapter.forward(tokens[:16], torch.arange(16))
+        adapter.commit(torch.arange(16))
+        for i in range(16, 20):
+            out = adapter.forward(tokens[i:i + 1], torch.tensor([i]))
+            adapter.commit(torch.tensor([0]))
+            assert (out.logits[0] - ref[i]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_method_equals_plain_decoding(family_targets, family):
+    """Greedy: plain decoding, lookup and every head method (a random head in the family's shape,
+    so its drafts are mostly rejected and the trees exercise the masks) give the same tokens."""
+    target = family_targets[(family, "native")]
+    stop = StopConfig(max_new_tokens=24, stop_on_eos=False)
+    prompt = [5, 17, 33, 8, 90, 5, 17, 33, 8, 91, 5, 17]  # repeats itself: lookup drafts
+    ref = Engine(target).generate(prompt, stop).token_ids
+    for method in (m for m in METHODS if m != "vanilla"):
+        drafter = make_drafter(method, target, None) if method == "lookup" else eagle(target, method)
+        assert Engine(target, drafter).generate(prompt, stop).token_ids == ref, method
+
+
+def test_a_head_for_any_family_is_built_from_llama_layers(family_targets):
+    """A head for a Gemma target: Llama layers (no (1 + w) norms, windows or soft-capping), the
+    target's global RoPE; its draft trees verify losslessly (above)."""
+    target = family_targets[("gemma2", "native")]
+    head = random_head(target.hf_config, seed=0)
+    assert head.config["model_type"] == "llama" and head.arch.windows == (0,)
+    assert not head.arch.norm_offset and head.arch.activation == "silu" and not head.arch.attn_softcap
+    drafter = EagleDrafter(head.eval().requires_grad_(False), target, tree_config("eagle2", SMALL))
+    stop = StopConfig(max_new_tokens=12, stop_on_eos=False)
+    assert Engine(target, drafter).generate([3, 4, 5], stop).token_ids == Engine(target).generate([3, 4, 5], stop).token_ids
+
+
+def test_unsupported_families_name_why_they_run_through_transformers(tmp_path, capsys):
+    from ddspec.models.llama import why_not_native
+    from ddspec.models.loading import load_target
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    d = make_tiny_model_dir(tmp_path / "m", "llama", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    assert why_not_native(cfg) is None
+    assert "no native table" in why_not_native({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    assert "'gpt2' has no native forward" in why_not_native({**cfg, "model_type": "gpt2"})
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                          "rope_theta": 10000.0}}))
+    target = load_target(str(d))
+    assert type(target).__name__ == "HFTarget"
+    assert "through transformers" in capsys.readouterr().err and "'dynamic' has no native table" in str(
+        why_not_native(json.loads((d / "config.json").read_text())))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_tiny_pipeline_on_another_family(tmp_path, family):
+    """ddspec train makes a head for a tiny model of the family, end to end (data, fit, eval, export),
+    and its eval finds every answer identical to plain decoding."""
+    from ddspec.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "all", "--tiny", "--tiny-family", family, "--out", str(out), "--threads", "1"]) == 0
+    r = json.loads((out / "eval.json").read_text())["head"]["tiny"]
+    assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
