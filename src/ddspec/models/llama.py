@@ -383,8 +383,8 @@ def attention(
         group = nh // nkv
         scores = query @ keys.repeat_interleave(group, 1).transpose(-1, -2) * (scale or d ** -0.5)
         scores = torch.tanh(scores / arch.attn_softcap) * arch.attn_softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:  # bool (True = attend) or additive, as SDPA takes them
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         out = scores.softmax(-1) @ values.repeat_interleave(group, 1)
         return out.transpose(1, 2).reshape(b, n, nh * d)
     # a GPU: no cuDNN plan per shape (see masked_attention_backends); the CPU path skips even the call
