@@ -185,3 +185,21 @@ def test_training_data_generation_keeps_the_windows(family_targets, family):
     for p, (resp, feats, _) in zip(prompts, results):
         assert resp == Engine(target).generate(p, StopConfig(max_new_tokens=14)).token_ids
         assert check_features_match(target, feats, torch.tensor(p + resp)) < 1e-4
+
+
+def test_a_published_eagle3_head_loads_on_a_gemma3_target(family_targets, tmp_path):
+    """An EAGLE-3 head in the published layout (d2t / t2d, the default layer ids of a 6-layer
+    target) loads for a Gemma 3 target and every method stays lossless with it."""
+    from ddspec.draft.checkpoint import load_head
+    from ddspec.draft.eagle3 import Eagle3Head
+    from test_eagle3 import _drafter, published_head
+
+    target = family_targets[("gemma3", "native")]
+    published_head(tmp_path, target, seed=1)
+    head = load_head(tmp_path, target.info)
+    assert isinstance(head, Eagle3Head) and head.hidden_layers == (2, 3, 3)
+    stop = StopConfig(max_new_tokens=20, stop_on_eos=False)
+    prompt = [5, 17, 33, 8, 90, 41, 12, 60, 61, 62]
+    ref = Engine(target).generate(prompt, stop).token_ids
+    for method in (m for m in METHODS if m not in ("vanilla", "lookup")):
+        assert Engine(target, _drafter(target, head, method)).generate(prompt, stop).token_ids == ref, method
