@@ -34,17 +34,43 @@ _TOP_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": 
               "output.weight": "lm_head.weight"}
 
 
+# the layer tensors of the other architectures, where they differ from llama's (llama.cpp's tensor_mapping.py):
+# Qwen3 and Gemma 3 normalise q and k per head; Gemma 2 and 3 have four norms per layer (ffn_norm is the one
+# before the MLP, post_attention_norm the one on the attention's output); Phi-3 fuses q, k and v into one
+# weight and gate and up into another (gate's rows first), as its Hugging Face checkpoint does
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA2_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER_NAMES = {
+    "qwen3": _LAYER_NAMES | _QK_NORMS,
+    "gemma2": _LAYER_NAMES | _GEMMA2_NORMS,
+    "gemma3": _LAYER_NAMES | _GEMMA2_NORMS | _QK_NORMS,
+    "phi3": {k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")}
+    | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+
 _BIASED = {"attn_q", "attn_k", "attn_v"}  # the layer tensors that may have a bias (qwen2's q, k and v)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF weight name of a llama-layout GGUF tensor name, without the ``model.`` prefix (None
-    for names outside the layout). Besides the weights, the biases of q, k and v (qwen2) map to
-    their projections' ``.bias``."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF weight name of a GGUF tensor name of architecture ``arch`` (llama's layout, or the
+    names :data:`_ARCH_LAYER_NAMES` gives it), without the ``model.`` prefix (None for names outside
+    the layout). Besides the weights, the biases of q, k and v (qwen2) map to their projections' ``.bias``."""
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES and (m.group(3) == "weight" or m.group(2) in _BIASED):
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names and (m.group(3) == "weight" or m.group(2) in _BIASED):
+        return f"layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return _TOP_NAMES.get(gguf_name)
+
+
+def layer_parts(arch: str) -> tuple[str, ...]:
+    """The weights of each layer of ``arch``'s layout, by GGUF name (``blk.N.<part>.weight``)."""
+    return tuple(_ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES))
+
+
+def gguf_arch(layout: "GGUFLayout") -> str:
+    """The file's ``general.architecture`` (llama for a file that does not say)."""
+    return layout.metadata.get("general.architecture") or "llama"
 
 
 # GGML tensor type -> the native kind its blocks are read into, exactly: Q4_1 and Q8_0 as they are;
@@ -334,8 +360,9 @@ def native_weights(gguf: Path, dense: dict[str, torch.Tensor], orders: Path | No
     skipped = []
     layout = GGUFLayout(gguf)
     _notice_unread_types(layout, dense)
+    arch = gguf_arch(layout)
     for gguf_name, (ttype, raw) in quantised_tensors(gguf, layout).items():
-        name = hf_name(gguf_name)
+        name = hf_name(gguf_name, arch)
         if name is None or name not in dense:
             continue
         target = dense[name].detach().float().contiguous().numpy()
@@ -367,8 +394,9 @@ DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: the fp32 weights themselves (F16 / B
 def _notice_unread_types(layout: GGUFLayout, dense: dict[str, torch.Tensor]) -> None:
     """One line on stderr naming the model's weights in block types the kernels do not read yet."""
     unread: dict[str, int] = {}
+    arch = gguf_arch(layout)
     for gguf_name, (ttype, _, _) in layout.tensors.items():
-        if ttype in NATIVE_SOURCES or ttype in DENSE_TYPES or hf_name(gguf_name) not in dense:
+        if ttype in NATIVE_SOURCES or ttype in DENSE_TYPES or hf_name(gguf_name, arch) not in dense:
             continue
         unread[ggml_name(ttype)] = unread.get(ggml_name(ttype), 0) + 1
     if unread:
@@ -473,7 +501,8 @@ def manifest_blocks(gguf: Path, manifest: dict, notice: bool = True) -> dict[str
         kind, qs, d, m = native_blocks(ttype, raw.reshape(rows, -1), rows)
         out[name.removeprefix("model.")] = block_weight(kind, dims[0], qs, d, m, rotary_order(rows, heads) if heads else None)
     if notice:
-        _notice_unread_types(layout, {hf_name(t) for t in layout.tensors if hf_name(t)})
+        arch = gguf_arch(layout)
+        _notice_unread_types(layout, {hf_name(t, arch) for t in layout.tensors if hf_name(t, arch)})
     return out
 
 
@@ -543,8 +572,9 @@ def manifest_tensors(layout: GGUFLayout, heads_of) -> dict[str, list]:
     kernels read whole (its rows a multiple of the type's block), by HF name (with ``model.``):
     [GGUF name, ``heads_of(GGUF name)``: the rotary heads whose rows llama.cpp interleaved, or 0]."""
     out = {}
+    arch = gguf_arch(layout)
     for name, (ttype, dims, raw) in layout.tensors.items():
-        short = hf_name(name)
+        short = hf_name(name, arch)
         if ttype not in NATIVE_SOURCES or raw is None or len(dims) != 2 or short is None or not short.endswith(".weight"):
             continue
         if dims[0] % (256 if ttype in K_SOURCES else 32):
