@@ -203,3 +203,46 @@ def test_a_published_eagle3_head_loads_on_a_gemma3_target(family_targets, tmp_pa
     ref = Engine(target).generate(prompt, stop).token_ids
     for method in (m for m in METHODS if m not in ("vanilla", "lookup")):
         assert Engine(target, _drafter(target, head, method)).generate(prompt, stop).token_ids == ref, method
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_the_familys_gguf_file_runs_native_in_fp32_and_int8(tmp_path, arch):
+    """A tiny model of the family written as llama.cpp writes it (gguf-py): in F32, the native
+    forward from the GGUF equals the model's own logits; in Q8_0 blocks, the native fp32 forward equals
+    transformers' on the converted folder, the int8 mode stays near it, and in int8 every method's
+    greedy output equals plain decoding (Gemma's windows of 4 tokens, shorter than the sequences)."""
+    import gguf
+
+    from ddspec.models.loading import load_target
+    from test_gguf_convert import tiny_model, write_from_model
+
+    # (a Phi-3 GGUF has no window: llama.cpp runs Phi-3 without one, and so does its conversion)
+    settings = dict(sliding_window=4) if arch in ("gemma2", "gemma3") else {}
+    if arch == "gemma3":
+        settings["num_hidden_layers"] = 6
+    model = tiny_model(arch, "bpe", **settings)
+    tokens = torch.randint(0, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(input_ids=tokens.view(1, -1)).logits[0]
+    write_from_model(tmp_path / "f32.gguf", model, arch, "bpe")
+    target = load_target(str(tmp_path / "f32.gguf"))
+    assert type(target).__name__ == "NativeLlama"
+    target.reset(64)
+    assert (target.forward(tokens, torch.arange(21)).logits - ref).abs().max() <= TOL
+
+    write_from_model(tmp_path / "q8.gguf", model, arch, "bpe", qtype=int(gguf.GGMLQuantizationType.Q8_0))
+    outs = {}
+    for impl, act in (("hf", "fp32"), ("native", "fp32"), ("native", "int8")):
+        t = load_target(str(tmp_path / "q8.gguf"), impl=impl, activations=act)
+        t.reset(64)
+        outs[impl, act] = t.forward(tokens, torch.arange(21)).logits
+    assert (outs["native", "fp32"] - outs["hf", "fp32"]).abs().max() <= TOL
+    scale = outs["native", "fp32"].abs().max()
+    assert (outs["native", "int8"] - outs["native", "fp32"]).abs().max() <= 0.05 * scale
+    assert t.layers[0].qkv.native.kind == "q8_0a8"
+    stop = StopConfig(max_new_tokens=20, stop_on_eos=False)
+    prompt = [5, 17, 33, 8, 90, 5, 17, 33, 8, 91]
+    plain_ids = Engine(t).generate(prompt, stop).token_ids
+    for method in ("chain", "eagle2", "ddd", "ddspec", "lookup"):
+        drafter = make_drafter(method, t, None) if method == "lookup" else eagle(t, method)
+        assert Engine(t, drafter).generate(prompt, stop).token_ids == plain_ids, method
