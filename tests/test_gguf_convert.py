@@ -37,7 +37,8 @@ def _byte_tokens() -> list[str]:
 
 
 def write_tiny_llama(path: Path, types: dict[str, int], pre: str = "smollm", arch: str = "llama",
-                     add_bos: bool = False, add_eos: bool | None = None, spm: bool = False) -> None:
+                     add_bos: bool = False, add_eos: bool | None = None, spm: bool = False,
+                     rope_freqs: np.ndarray | None = None) -> None:
     """A random 2-layer llama GGUF (hidden 64, 4 heads, 2 kv heads) with a byte-level BPE
     vocabulary of 3 control tokens, the 256 bytes and a few merges (``spm``: the SentencePiece one of
     :func:`spm_vocab`); ``types`` maps a tensor kind (embd, attn, ffn, norm, output) to its GGML type;
@@ -97,6 +98,8 @@ def write_tiny_llama(path: Path, types: dict[str, int], pre: str = "smollm", arc
         for part, rows, cols in (("ffn_gate", 128, 64), ("ffn_up", 128, 64), ("ffn_down", 64, 128)):
             tensor(f"blk.{i}.{part}.weight", rows, cols, "ffn")
     tensor("output_norm.weight", 1, 64, "norm")
+    if rope_freqs is not None:  # Llama 3.1+'s frequency divisors, as llama.cpp's converter writes them
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if "output" in types:
         tensor("output.weight", len(tokens), 64, "output")
     w.write_header_to_file()
@@ -715,3 +718,45 @@ def test_the_architectures_name_their_tensors_as_their_models_do():
     assert hf_name("blk.3.ffn_norm.weight", "gemma2") == "layers.3.pre_feedforward_layernorm.weight"
     assert hf_name("blk.0.attn_q_norm.weight") is None and hf_name("blk.0.attn_qkv.weight", "llama") is None
     assert hf_name("blk.0.attn_q.bias", "qwen2") == "layers.0.self_attn.q_proj.bias"
+
+
+def test_a_llama3_file_keeps_its_rope_frequencies(tmp_path):
+    """A Llama 3.1+ file stores its RoPE scaling as ``rope_freqs`` (per-frequency divisors computed
+    from the "llama3" settings): the folder carries them as transformers' "longrope" with those
+    factors, and the model equals the same weights under transformers' own "llama3" scaling."""
+    import math
+
+    import torch
+    import transformers
+
+    from ddspec.models.loading import load_target
+
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    freqs = 1.0 / (10000.0 ** (np.arange(0, 16, 2, dtype=np.float32) / 16))
+    factors = []
+    for f in freqs:  # llama.cpp's LlamaModel.generate_extra_tensors
+        wavelen, old = 2 * math.pi / f, 16
+        if wavelen < old / 4.0:
+            factors.append(1.0)
+        elif wavelen > old / 1.0:
+            factors.append(32.0)
+        else:
+            smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / 32.0 + smooth))
+    f32 = int(gguf.GGMLQuantizationType.F32)
+    path = tmp_path / "llama3.gguf"
+    write_tiny_llama(path, {k: f32 for k in ("embd", "attn", "ffn", "norm", "output")}, rope_freqs=np.array(factors))
+    native = load_target(str(path))
+    cfg = native.hf_config
+    assert cfg["rope_parameters"]["rope_type"] == "longrope" and cfg["rope_parameters"]["short_factor"] == pytest.approx(factors)
+    tokens = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(0))
+    native.reset(64)
+    ours = native.forward(tokens, torch.arange(40)).logits
+    hf = load_target(str(path), impl="hf")  # the folder through transformers ("longrope")
+    hf.reset(64)
+    assert (hf.forward(tokens, torch.arange(40)).logits - ours).abs().max() <= 1e-4
+    same = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, "rope_parameters": llama3}))
+    same.load_state_dict(hf.model.state_dict())
+    with torch.no_grad():
+        assert (same(input_ids=tokens.view(1, -1)).logits[0] - ours).abs().max() <= 1e-3

@@ -53,11 +53,12 @@ def start(tiny_dir, **kwargs) -> LiveServer:
     return LiveServer(make_service(target, **{**options, **kwargs})).start()
 
 
-@pytest.fixture(scope="module")
-def live(tiny_dir):
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def live(tiny_dir, request):
     # room for the load test's 16 clients plus the cancelled streams the worker has not dropped yet
-    # (the queue bound itself: test_queue_bound_answers_429_with_retry_after, on its own server)
-    server = start(tiny_dir, max_body_bytes=64 * 1024, max_queue=32)
+    # (the queue bound itself: test_queue_bound_answers_429_with_retry_after, on its own server);
+    # every test runs on a server decoding one request at a time and on one decoding 4 together
+    server = start(tiny_dir, max_body_bytes=64 * 1024, max_queue=32, batch=request.param)
     yield server
     server.stop()
 

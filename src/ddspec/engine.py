@@ -36,6 +36,27 @@ from ddspec.verify import Verdict, verify_greedy, verify_sampling
 
 
 @dataclass(slots=True)
+class Forward:
+    """A target forward a generation asks for (:meth:`Engine.steps` yields it and is sent the output):
+    whoever drives the generation runs it, alone (:meth:`Engine.stream`) or beside other sequences'
+    (server/batch.py), and sets ``seconds`` to the time it took."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    hidden_layers: tuple[int, ...]
+    last_logits: bool = False
+    seconds: float = 0.0
+
+    def run(self, target, clock=time.perf_counter) -> TargetOutput:
+        """Run on ``target`` alone and time it (``clock``: seconds as a float)."""
+        t = clock()
+        out = target.forward(self.tokens, self.positions, self.mask, self.hidden_layers, last_logits=self.last_logits)
+        self.seconds = clock() - t
+        return out
+
+
+@dataclass(slots=True)
 class StepStats:
     accepted: int  # drafted tokens the target agreed with (the step emitted accepted + 1)
     tree_size: int  # nodes verified, root included
@@ -251,6 +272,25 @@ class Engine:
         first chunk): when it returns True the stream ends at once, with no chunk and finish_reason
         "cancelled", and the engine is ready for the next prompt.
         """
+        steps = self.steps(prompt_ids, stop, trace, cancelled)
+        try:
+            item = next(steps)
+            while True:
+                if isinstance(item, Forward):
+                    item = steps.send(item.run(self.target, self.clock))
+                else:
+                    yield item
+                    item = next(steps)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def steps(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False,
+              cancelled=None) -> Iterator["Chunk | Forward"]:
+        """:meth:`stream` with its target forwards handed out: yields a :class:`Forward` wherever the
+        generation needs one (send it the output) and a :class:`Chunk` wherever it emits tokens
+        (resume it with next()). A scheduler drives several of these and runs their forwards together."""
         clock = self.clock
         t0 = clock()
         stats = RunStats(prompt_tokens=len(prompt_ids))
@@ -269,7 +309,7 @@ class Engine:
         #    first root, let the drafter take the prompt in.
         start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
         prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
-        out = self._prefill(prompt, start, hidden_layers, cancelled)
+        out = yield from self._prefill(prompt, start, hidden_layers, cancelled)
         if out is None:  # cancelled between chunks: the caches hold an unknown prefix (_restore forgot it)
             stats.finish_reason, stats.wall_s = "cancelled", clock() - t0
             return stats
@@ -292,7 +332,9 @@ class Engine:
             t_verify = clock()
             # 3. Verify: one target forward over the whole tree, then the acceptance rule.
             mask = tree.attention_mask() if tree.size > 1 else None
-            out = self.target.forward(tree.tokens, tree.positions(position), mask, hidden_layers)
+            forward = Forward(tree.tokens, tree.positions(position), mask, hidden_layers)
+            out = yield forward
+            t_resumed = clock()  # the forward took forward.seconds (beside other sequences' when batched)
             verdict = self._verify(tree, out, noise, position)
             # 4. Commit: keep the accepted path's KV; the drafter refreshes its own state.
             self.target.commit(verdict.path)
@@ -306,7 +348,7 @@ class Engine:
             new = accepted + [int(root)]
             self._remember(held, new[-1])
             step = StepStats(
-                verdict.accepted, tree.size, (t_verify - t_draft) * 1e3, (t_done - t_verify) * 1e3,
+                verdict.accepted, tree.size, (t_verify - t_draft) * 1e3, (forward.seconds + t_done - t_resumed) * 1e3,
                 int(tree.depths.max()), gap_ms,
             )
             self._learn_costs(step)
@@ -331,18 +373,19 @@ class Engine:
     prefill_chunk = 256
 
     def _prefill(self, prompt: torch.Tensor, start: int, hidden_layers: tuple[int, ...],
-                 cancelled=None) -> TargetOutput | None:
+                 cancelled=None) -> Iterator[Forward]:
         """Run the prompt's uncached tokens (positions from ``start``) through the target in chunks of
         ``prefill_chunk``, asking ``cancelled()`` before each; None when it said stop. The result is the
-        whole prompt's features and hidden states (the drafter reads every row) and the last logits."""
+        whole prompt's features and hidden states (the drafter reads every row) and the last logits.
+        A generator: yields each chunk's :class:`Forward` and returns the result."""
         n, size = prompt.numel(), max(1, self.prefill_chunk)
         outs: list[TargetOutput] = []
         for a in range(0, n, size):
             if cancelled is not None and cancelled():
                 return None
             b = min(n, a + size)
-            outs.append(self.target.forward(prompt[a:b], torch.arange(start + a, start + b), None, hidden_layers,
-                                            last_logits=True))
+            outs.append((yield Forward(prompt[a:b], torch.arange(start + a, start + b), None, hidden_layers,
+                                       last_logits=True)))
         if len(outs) == 1:
             return outs[0]
         last = outs[-1]

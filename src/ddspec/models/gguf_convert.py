@@ -203,6 +203,14 @@ def _config(meta: dict, tensors: dict, vocab: int) -> dict:
         "use_cache": True,
         "vocab_size": int(get("vocab_size", vocab)),
     }
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: the per-frequency divisors llama.cpp computed from "llama3"
+        ttype, dims, raw = tensors["rope_freqs.weight"]
+        factors = [float(f) for f in dequantize_tensor(ttype, dims, raw).reshape(-1)]
+        # transformers' "longrope" divides each inverse frequency by its factor, as llama.cpp does with
+        # these (the same factors at every position, no attention scaling)
+        cfg["rope_parameters"] = {"rope_theta": cfg["rope_parameters"]["rope_theta"], "rope_type": "longrope",
+                                  "short_factor": factors, "long_factor": factors, "attention_factor": 1.0,
+                                  "original_max_position_embeddings": cfg["max_position_embeddings"]}
     return {k: v for k, v in cfg.items() if v is not None or k.endswith("_token_id")}
 
 
@@ -675,8 +683,8 @@ def convert(gguf: Path, out: Path) -> None:
     in_blocks = {tensor for tensor, _ in held.values()}
     weights = {}
     for name, (ttype, dims, raw) in layout.tensors.items():
-        if arch == "phi3" and name in _SETTING_TENSORS:  # in config.json's rope_parameters
-            continue
+        if (arch == "phi3" and name in _SETTING_TENSORS) or (arch == "llama" and name == "rope_freqs.weight"):
+            continue  # in config.json's rope_parameters
         hf = hf_tensor_name(name, arch)
         if name in in_blocks:
             continue

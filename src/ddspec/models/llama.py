@@ -14,6 +14,7 @@ model is built from its :class:`LlamaWeights`, and tunes the C kernels on the bu
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -804,6 +805,69 @@ class NativeLlama:
         if self.arch.num_layers in hidden_layers:  # as in HF: the last entry is post-norm
             hidden[self.arch.num_layers] = features
         return TargetOutput(self.lm_head(features[-1:] if last_logits else features), features, hidden)
+
+    def session(self) -> "NativeLlama":
+        """Another handle on this model with a KV cache of its own (every weight shared): one per
+        sequence that :meth:`forward_many` runs beside others."""
+        other = copy.copy(self)
+        other.cache = None
+        return other
+
+    def _batchable(self, calls: list) -> bool:
+        """Whether ``calls`` can run as one C call whose rows each get the bits of their sequence's own
+        forward: the native kernel for every sequence's row count, for all of them, and for the lm_head."""
+        sizes = [c[1].shape[-1] for c in calls]
+        heads = [1 if c[5] else n for c, n in zip(calls, sizes)]
+        return (self.native_layers and len({id(c[0].cache) for c in calls}) == len(calls)
+                and all(c[0].cache is not None for c in calls)
+                and all(n <= PREFILL_CHUNK or c[3] is not None for c, n in zip(calls, sizes))
+                and all(self.layer_plan.kernel(n) == "native" for n in sizes + [sum(sizes)])
+                and len({self.head_plan.kernel(n) for n in heads + [sum(heads)]}) == 1)
+
+    @torch.inference_mode()
+    def forward_many(self, calls: list[tuple]) -> list[TargetOutput]:
+        """Several sequences' forwards in one: calls = [(session, tokens, positions, mask, hidden_layers,
+        last_logits)], each session this model's (:meth:`session`) with its own cache. Their rows run
+        through the decoder layers in one C call (each weight read once for all of them) and through
+        the lm_head together; each output equals that session's own :meth:`forward` bit for bit. Calls
+        that cannot share a C call that way (other kernels, a long prompt) run one after the other."""
+        if len(calls) < 2 or not self._batchable(calls):
+            return [s.forward(t, p, m, h, last) for s, t, p, m, h, last in calls]
+        from ddspec.native import layers_forward_seqs
+
+        xs, pos, seqs = [], [], []
+        for s, tokens, positions, mask, _, _ in calls:
+            cache, n = s.cache, tokens.shape[-1]
+            cache.check_room(n)
+            full = expand_mask(mask, cache.length, n, self.device)
+            local = window_mask(full, positions, cache.length, self.arch.window)
+            xs.append(self.embed(tokens.to(self.device)).view(n, -1))
+            pos.append(positions.to(self.device, torch.int64))
+            seqs.append((cache.keys[:, 0], cache.values[:, 0], n, cache.length,
+                         None if full is None else full.to(torch.bool).contiguous(),
+                         None if local is None else local.to(torch.bool).contiguous()))
+        x, positions = torch.cat(xs).contiguous(), torch.cat(pos).contiguous()
+        wanted = set().union(*(c[4] for c in calls))
+        capture = {i: torch.empty_like(x) for i in wanted if 0 <= i < self.arch.num_layers}
+        layers_forward_seqs(self._layer_array, x, positions, self.rotary.cos, self.rotary.sin, seqs,
+                            self._final_norm_c, capture)
+        rows, at = [], 0
+        for s, tokens, *_ in calls:
+            n = tokens.shape[-1]
+            s.cache.advance(n)
+            rows.append((at, at + n))
+            at += n
+        heads = torch.cat([x[b - 1:b] if c[5] else x[a:b] for c, (a, b) in zip(calls, rows)])
+        logits, best = self._lm_head_argmax(heads)
+        outs, h = [], 0
+        for c, (a, b) in zip(calls, rows):
+            k = 1 if c[5] else b - a
+            hidden = {i: capture[i][a:b] for i in c[4] if i in capture}
+            if self.arch.num_layers in c[4]:
+                hidden[self.arch.num_layers] = x[a:b]
+            outs.append(TargetOutput(logits[h:h + k], x[a:b], hidden, None if best is None else best[h:h + k]))
+            h += k
+        return outs
 
     def _forward_chunks(self, tokens: torch.Tensor, positions: torch.Tensor, hidden_layers: tuple[int, ...],
                         last_logits: bool) -> TargetOutput:

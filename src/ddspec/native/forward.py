@@ -84,3 +84,40 @@ def layers_forward(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.T
     if rc:
         raise ValueError(f"dd_layers_forward refused layer {rc // 8}'s sizes (n={n}, start={start}, "
                          f"cache {list(keys.shape)})")
+
+
+def layers_forward_seqs(array, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        seqs: list[tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor | None, torch.Tensor | None]],
+                        final_norm: tuple[torch.Tensor, float] | None = None,
+                        capture: dict[int, torch.Tensor] | None = None) -> None:
+    """:func:`layers_forward` over the rows of several sequences in one C call (continuous batching):
+    x [n, H] holds their rows in order, positions [n] theirs; seqs: per sequence (keys, values, rows,
+    start, mask, local_mask), keys/values that sequence's caches of these layers [count, Hkv, Tmax, D]
+    (all fp32 or all fp16), ``rows`` how many rows of x are its, ``start`` its cached tokens, its masks
+    [rows, start + rows] bool contiguous or None. Each row gets what its sequence gets alone.
+    capture: as for :func:`layers_forward`, over all the rows."""
+    count, nseq = len(array), len(seqs)
+    dtype = seqs[0][0].dtype
+    if any(k.dtype != dtype or v.dtype != dtype for k, v, *_ in seqs) or dtype not in KV_DTYPES:
+        raise ValueError("dd_layers_forward_seqs takes caches all fp32 or all fp16")
+    rows = [0]
+    for s in seqs:
+        rows.append(rows[-1] + s[2])
+    if rows[-1] != x.shape[0]:
+        raise ValueError(f"the sequences hold {rows[-1]} rows, x has {x.shape[0]}")
+
+    def arr(ctype, values):
+        return (ctype * len(values))(*values)
+
+    p = ctypes.c_void_p
+    rc = library().dd_layers_forward_seqs(
+        array, count, x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), nseq,
+        arr(ctypes.c_int64, rows), arr(p, [k.data_ptr() for k, *_ in seqs]), arr(p, [s[1].data_ptr() for s in seqs]),
+        arr(ctypes.c_int64, [k.stride(0) for k, *_ in seqs]), arr(ctypes.c_int64, [k.shape[2] for k, *_ in seqs]),
+        arr(ctypes.c_int64, [s[3] for s in seqs]), arr(p, [None if s[4] is None else s[4].data_ptr() for s in seqs]),
+        arr(p, [None if s[5] is None else s[5].data_ptr() for s in seqs]), torch.get_num_threads(),
+        arr(p, [capture[i].data_ptr() if i in capture else None for i in range(count)]) if capture else None,
+        None if final_norm is None else final_norm[0].data_ptr(), 0.0 if final_norm is None else final_norm[1],
+        int(dtype == torch.float16))
+    if rc:
+        raise ValueError(f"dd_layers_forward_seqs refused layer {rc // 8}'s sizes (rows {rows})")

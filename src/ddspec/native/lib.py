@@ -94,6 +94,12 @@ def library() -> ctypes.CDLL | None:
                                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     lib.dd_layers_forward.restype = ctypes.c_int
+    lib.dd_layers_forward_seqs.argtypes = [ctypes.POINTER(CLayer), ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
+    lib.dd_layers_forward_seqs.restype = ctypes.c_int
     lib.dd_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.dd_int8_peak.restype = ctypes.c_int64
     lib.dd_top_logprobs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,

@@ -219,6 +219,10 @@ def add_bench_parser(sub) -> None:
                    help="also measure llama.cpp's llama-server binary on the same GGUF (--model FILE.gguf) with the "
                         "same clients, in the same run (docs/benchmarks.md builds it)")
     p.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (-np; default 16)")
+    p.add_argument("--batch", type=_ints, default=[1], metavar="N[,M...]",
+                   help="ddspec's server with `serve --batch N` (requests decoded together), one server and one row "
+                        "per method for each value: 1,16 compares one request at a time with batches of 16 "
+                        "(default 1)")
     p.add_argument("--api-key", default=None, help="the running server's key (with --url)")
     p.add_argument("--out", default=None, help="folder for summary.md and results.json")
     add_model_args(p)
@@ -244,34 +248,36 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     two_turns = next((p.turns[:2] for p in prompts if len(p.turns) >= 2), None)
     if two_turns is None and args.reuse_trials:
         raise DdspecError(f"{args.prompts} has no prompt with two turns, which the prefix-reuse chat needs")
-    live = None
-    if args.url is None:
-        live = _start_server(args, methods)
-        url = live.url
-    else:
-        url = args.url
-    try:
-        client = Client(url, args.api_key)
-        health = client.get("/health")
-        rows, ours = [], True
-        for method in methods:
-            warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter (may calibrate)
-            ours = warm.tau is not None
-            for c in args.concurrency:
-                rows.append(load_run(client, method, c, firsts, args.requests, args.max_tokens))
-                r = rows[-1]
-                print(f"[bench-serve] {method} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
-                      f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
-                      f"errors {r['errors']}", file=sys.stderr)
-        rows += _llama_rows(args, firsts)
-        if args.reuse_trials and not ours:
-            print("[bench-serve] the server reports no prefix reuse (not ddspec's usage fields): the reuse "
-                  "chat is skipped", file=sys.stderr)
-        reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials) \
-            if args.reuse_trials and ours else {}
-    finally:
-        if live is not None:
-            live.stop()
+    if args.url is not None and args.batch != [1]:
+        raise DdspecError("--batch starts ddspec's own servers; it cannot change a running one (--url)")
+    if min(args.batch) < 1:
+        raise DdspecError(f"--batch values must be >= 1, got {args.batch}")
+    rows, reuse, health, ours = [], {}, {}, True
+    for b in args.batch if args.url is None else [None]:
+        live = None if b is None else _start_server(args, methods, b)
+        url = args.url if live is None else live.url
+        try:
+            client = Client(url, args.api_key)
+            health = client.get("/health")
+            for method in methods:
+                warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
+                ours = warm.tau is not None
+                label = method if len(args.batch) == 1 else f"{method} (batch {b})"
+                for c in args.concurrency:
+                    rows.append(dict(load_run(client, method, c, firsts, args.requests, args.max_tokens), method=label))
+                    r = rows[-1]
+                    print(f"[bench-serve] {label} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
+                          f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
+                          f"errors {r['errors']}", file=sys.stderr)
+            if args.reuse_trials and not ours:
+                print("[bench-serve] the server reports no prefix reuse (not ddspec's usage fields): the reuse "
+                      "chat is skipped", file=sys.stderr)
+            if args.reuse_trials and ours and not reuse:
+                reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials)
+        finally:
+            if live is not None:
+                live.stop()
+    rows += _llama_rows(args, firsts)
     header = (f"ddspec bench-serve: model {health.get('model', url)}, prompts {args.prompts} (first turns, greedy, "
               f"{args.max_tokens} tokens), {args.requests} requests per row, {time.strftime('%Y-%m-%d %H:%M')}")
     text = report(rows, reuse, header)
@@ -311,13 +317,13 @@ def _llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
         arm.close()
 
 
-def _start_server(args: argparse.Namespace, methods: list[str]):
+def _start_server(args: argparse.Namespace, methods: list[str], batch: int = 1):
     from ddspec.args import setup_torch, target_from_args, tree_from_args
     from ddspec.server.build import LiveServer, make_service
 
     setup_torch(args)
     target = target_from_args(args)
     service = make_service(target, method=methods[0], head=args.head, tree=tree_from_args(args),
-                           max_queue=max(args.concurrency) + 1)
+                           max_queue=max(args.concurrency) + 1, batch=batch)
     return LiveServer(service).start()
 

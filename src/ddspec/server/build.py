@@ -26,9 +26,10 @@ def make_service(target, *, method: str = "auto", head: str | None = None, tree:
                  max_queue: int = 16, max_body_bytes: int = 1 << 20, prefix_reuse: bool = True,
                  model_name: str | None = None, allow_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
                  allow_origins: tuple[str, ...] = (), body_timeout_s: float = 30.0,
-                 special_tokens: bool = False) -> Service:
+                 special_tokens: bool = False, batch: int = 1) -> Service:
     """A started worker and its Service; the default method's drafter is built here (a missing head
-    or a calibration fails now, not at the first request)."""
+    or a calibration fails now, not at the first request). batch > 1: a BatchWorker decoding up to
+    that many requests together (server/batch.py)."""
     if max_tokens < 1:
         raise DdspecError(f"--max-new-tokens must be >= 1, got {max_tokens}")
     if not body_timeout_s > 0:
@@ -39,8 +40,13 @@ def make_service(target, *, method: str = "auto", head: str | None = None, tree:
     if split_method(method)[0] not in methods:
         raise DdspecError(f"--method {method} needs a draft head, and {target.info.name} has none: pass --head "
                           "FOLDER or use --method vanilla or lookup")
-    engine = Engine(target, reuse_prefix=prefix_reuse)
-    worker = EngineWorker(engine, tree_drafter_factory(target, head, tree), method, max_queue)
+    if batch > 1:
+        from ddspec.server.batch import BatchWorker, batch_drafter_factory
+
+        worker = BatchWorker(target, batch_drafter_factory(head, tree, target), method, batch, max_queue)
+    else:
+        worker = EngineWorker(Engine(target, reuse_prefix=prefix_reuse), tree_drafter_factory(target, head, tree),
+                              method, max_queue)
     worker.drafter(method)
     config = ServerConfig(model_name=model_name or served_name(target.info.name), methods=methods, tree=tree,
                           sampling=sampling, max_tokens=max_tokens, api_key=api_key or None,

@@ -42,6 +42,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "else no key)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model's name, or its folder's name)")
+    g.add_argument("--batch", type=int, default=1, metavar="N",
+                   help="decode up to N requests together, one target forward per step for all of them "
+                        "(continuous batching; each answer is the one it gets alone, and the cost-aware method "
+                        "sizes every tree for the whole batch). Default 1: one request at a time")
     g.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait or run at once; more get 429 with Retry-After (default 16)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20,
@@ -118,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     target = target_from_args(args)
     service = make_service(target, method=args.method, head=args.head, tree=tree, sampling=sampling,
-                           max_tokens=args.max_new_tokens, api_key=args.api_key, max_queue=args.max_queue,
+                           max_tokens=args.max_new_tokens, api_key=args.api_key, max_queue=args.max_queue, batch=args.batch,
                            max_body_bytes=args.max_body_bytes, prefix_reuse=args.prefix_reuse,
                            model_name=args.served_model_name, allow_hosts=allow_hosts,
                            allow_origins=tuple(args.allow_origin or ()), body_timeout_s=args.body_timeout,

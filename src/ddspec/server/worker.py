@@ -105,13 +105,7 @@ class EngineWorker:
         """The drafter for ``method`` (built on first use; call from the worker thread or before start).
         At most ``MAX_DRAFTERS`` are kept (each holds a head KV cache): the least recently used other
         than the default method's goes first."""
-        if method not in self._drafters:
-            if len(self._drafters) >= MAX_DRAFTERS:
-                oldest = next(m for m in self._drafters if m != self.default_method)
-                del self._drafters[oldest]
-            self._drafters[method] = self._make_drafter(method)
-        self._drafters[method] = self._drafters.pop(method)  # most recently used last
-        return self._drafters[method]
+        return kept_drafter(self._drafters, method, self._make_drafter, self.default_method)
 
     # -- admission ------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -183,6 +177,17 @@ class EngineWorker:
                 job.send("chunk", chunk)
         finally:
             stream.close()  # a cancelled job stops here, between two steps
+
+
+def kept_drafter(drafters: dict, method: str, build, keep: str):
+    """``drafters[method]``, built by ``build(method)`` on first use; at most ``MAX_DRAFTERS`` stay (each
+    holds a head KV cache): the least recently used other than ``keep`` goes first."""
+    if method not in drafters:
+        if len(drafters) >= MAX_DRAFTERS:
+            del drafters[next(m for m in drafters if m != keep)]
+        drafters[method] = build(method)
+    drafters[method] = drafters.pop(method)  # most recently used last
+    return drafters[method]
 
 
 def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):

@@ -101,6 +101,11 @@ class CostAwarePolicy:
         self._chain_cuts = 0
         self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
         self.steps_seen = 0  # steps observed in this process
+        # continuous batching (server/batch.py): (rows, expected tokens) the other sequences add to the
+        # coming forward. With rows > 0 every rate is the batch's: (their tokens + this tree's) per ms of
+        # a forward over (their rows + this tree's), so a drafted node is worth its row only if it adds
+        # more tokens than the row costs the whole batch; (0, 0.0) alone
+        self.batch: tuple[int, float] = (0, 0.0)
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
 
     @property
@@ -118,7 +123,7 @@ class CostAwarePolicy:
     def _gains(self, scores: list[float]) -> list[float]:
         """Expected tokens of verifying the root and the N - 1 best nodes, for N = 1, 2, ..."""
         best = sorted(scores, reverse=True)[: self.max_tokens - 1]
-        gains = [1.0]
+        gains = [1.0 + self.batch[1]]
         for p in self.acceptance.prob(best):
             gains.append(gains[-1] + p)
         return gains
@@ -126,9 +131,9 @@ class CostAwarePolicy:
     def _step_ms(self, levels: int, n_max: int) -> list[float]:
         """Expected ms of a step that drafts ``levels`` levels and verifies N = 1 .. n_max nodes (root
         included): the draft, the per-step rest and the verification."""
-        cost = self.cost
+        cost, rows = self.cost, self.batch[0]
         fixed = cost.draft(levels) + cost.other_ms
-        return [fixed + v for v in cost.verify_list(n_max)[:n_max]]
+        return [fixed + v for v in cost.verify_list(rows + n_max)[rows:rows + n_max]]
 
     def rates(self, scores: list[float], levels: int) -> list[float]:
         """Expected tokens per ms of verifying N = 1 .. min(M + 1, max_tokens) nodes (the root and the
@@ -150,6 +155,8 @@ class CostAwarePolicy:
         not known). Without one, a plain step is one token at a plain step's cost; with one, the
         measured rate of the plain steps that had a chain (the pooled rate until there are
         ``min_drafted`` of them): the choice is made for the step at hand, not on average."""
+        if self.batch[0]:  # beside other sequences: a forecast in the batch's terms
+            return (1.0 + self.batch[1]) / self._batch_plain_ms()
         if chain is False:
             return 1.0 / self._plain_step_ms()
         if chain and self._chain_steps >= self.min_drafted and self._chain_ms > 0:
@@ -161,6 +168,10 @@ class CostAwarePolicy:
     def _plain_step_ms(self) -> float:
         """ms of a plain step as the costs estimate it: its verify phase and the gap between steps."""
         return self.costs.plain_estimate() + self.costs.gap_ms
+
+    def _batch_plain_ms(self) -> float:
+        """ms of a step that adds one row to the other sequences' ``batch`` rows."""
+        return self._plain_step_ms() + self.cost.verify_one(self.batch[0] + 1) - self.cost.verify_one(1)
 
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
@@ -218,7 +229,9 @@ class CostAwarePolicy:
         self.drafting = choice
         if not choice:
             self.levels = 0
-            if self._plain_weight > 0:  # what recent plain steps (with their lookup chains) took
+            if self.batch[0]:
+                self.prediction = (1.0 + self.batch[1], self._batch_plain_ms())
+            elif self._plain_weight > 0:  # what recent plain steps (with their lookup chains) took
                 self.prediction = (self._plain_tokens / self._plain_weight, self._plain_ms_sum / self._plain_weight)
             else:
                 self.prediction = (1.0, self._plain_step_ms())
@@ -338,8 +351,9 @@ class CostAwarePolicy:
         """This step verifies ``added`` nodes of a lookup chain beyond the ``size`` chosen: its
         forecast gains what such chains have yielded per step so far, and their verify cost."""
         tokens, ms = self.prediction
-        verify = self.cost.verify_list(size + added)
-        self.prediction = (tokens + self.graft_gain, ms + verify[size + added - 1] - verify[size - 1])
+        rows = self.batch[0]
+        verify = self.cost.verify_list(rows + size + added)
+        self.prediction = (tokens + self.graft_gain, ms + verify[rows + size + added - 1] - verify[rows + size - 1])
 
     def observe_graft(self, accepted: int) -> None:
         """How many merged lookup nodes the step just verified accepted (decayed mean)."""
@@ -349,8 +363,13 @@ class CostAwarePolicy:
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float | None, verify_ms: float,
                      gap_ms: float, phase_ms: float | None = None) -> None:
         """The measured times of the step just finished (the engine's clock); ``draft_ms`` None when the
-        draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time."""
-        self.costs.observe(tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
+        draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time.
+        Beside other sequences (``batch``) the forward verified their rows too and the step's tokens
+        count theirs: both are kept in the batch's terms, as the forecasts are."""
+        rows, others = self.batch
+        if self.drafting or not rows:  # (a plain step's time beside others teaches no plain step's cost)
+            self.costs.observe(rows + tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
+        tokens = tokens + others
         if self.drafting:
             d = self.forecast_decay
             told_tokens, told_ms = self.prediction

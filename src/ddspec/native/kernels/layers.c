@@ -77,9 +77,22 @@ static void add_output(const dd_layer *L, const dd_weight *W, const float *norm,
     dd_sync();
 }
 
-static int64_t layer_scratch(const dd_layer *L, int64_t n, int64_t T) {
+/* One sequence of a forward: its rows [row0, row0 + n) of x, its cache (kc / vc: layer 0's
+ * [kv_heads, tmax, head_dim], layer i's `stride` elements further), the new keys and values written at
+ * slots [start, start + n), its masks ([n, start + n], 1 = attend; NULL: every key) for the layers
+ * without and with a window, and whether each is the causal one (is_causal). */
+typedef struct {
+    int64_t row0, n;
+    char *kc, *vc;
+    int64_t stride, tmax, start;
+    const uint8_t *mask, *local_mask;
+    int causal, local_causal;
+} dd_seq;
+
+/* floats of scratch for layer L over N rows of sequences whose largest n * (start + n + 1) is nt */
+static int64_t layer_scratch(const dd_layer *L, int64_t N, int64_t nt) {
     const int64_t nq = L->heads * L->head_dim, wqkv = nq + 2 * L->kv_heads * L->head_dim;
-    return n * (L->hidden + L->extra) + n * wqkv + n * nq + n * 3 * L->inter + n * L->heads * T + n * L->heads;
+    return N * (L->hidden + L->extra) + N * wqkv + N * nq + N * 3 * L->inter + nt * L->heads;
 }
 
 /* 0 when layer L can run n new tokens after `start` cached ones (tmax slots), else 1 (a size out
@@ -92,18 +105,19 @@ static int layer_check(const dd_layer *L, int64_t n, int64_t tmax, int64_t start
     return 0;
 }
 
-/* One decoder layer over n new tokens, in place on the residual stream x [n, hidden], run by every
- * thread of the enclosing parallel region (dd_layers_forward's; layer_check passed), which ends
- * at a barrier. k/v caches: [kv_heads, tmax, head_dim] for this layer, fp32, or fp16 with kv_half
- * (each new key and value rounded to the nearest fp16 as it is written, before any row attends to
- * it); the new keys and values are written at slots [start, start + n). mask: [n, start + n] (1 =
- * attend) or NULL to attend to all of them. cos/sin: [max_position, head_dim]. buf: the scratch
+/* Layer `li` (L) over the n new tokens of nseq sequences, in place on the residual stream x [n, hidden],
+ * run by every thread of the enclosing parallel region (dd_layers_forward's; layer_check passed),
+ * which ends at a barrier. The matmuls run over all n rows at once (each weight read once for every
+ * sequence); RoPE, the cache writes and the attention run per sequence (seqs; row_seq[i]: row i's).
+ * Caches fp32, or fp16 with kv_half (each new key and value rounded to the nearest fp16 as it is
+ * written, before any row attends to it). cos/sin: [max_position, head_dim]. buf: the scratch
  * (layer_scratch floats), shared by the threads. */
-static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int64_t *pos, const float *cos_t,
-                              const float *sin_t, void *kc, void *vc, int64_t tmax, int64_t start,
-                              const uint8_t *mask, int causal, const float *extra, float *buf, int kv_half) {
+static void layer_forward_buf(const dd_layer *L, int64_t li, float *x, int64_t n, const int64_t *pos, const float *cos_t,
+                              const float *sin_t, const dd_seq *seqs, int64_t nseq, const int64_t *row_seq,
+                              const float *extra, float *buf, int kv_half) {
     const int64_t H = L->hidden, nh = L->heads, nkv = L->kv_heads, D = L->head_dim, I = L->inter, E = L->extra;
-    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk, T = start + n;
+    const int64_t nq = nh * D, nk = nkv * D, wqkv = nq + 2 * nk;
+    const size_t elt = kv_half ? sizeof(uint16_t) : sizeof(float);
     float *h = buf, *qkv = h + n * (H + E), *attn = qkv + n * wqkv, *gu = attn + n * nq, *act = gu + n * 2 * I;
     float *scores_all = act + n * I;
     const float scale = L->scale > 0.0f ? L->scale : 1.0f / sqrtf((float)D);
@@ -130,9 +144,11 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
         if (qk_norm) rms_norm_row(v, qk_norm, D, L->eps, v);
         rope(v, cos_t + pos[i] * D, sin_t + pos[i] * D, D);
         if (head >= nh) {
+            const dd_seq *S = seqs + row_seq[i];
+            void *kc = S->kc + (size_t)(li * S->stride) * elt, *vc = S->vc + (size_t)(li * S->stride) * elt;
             const int64_t g = head - nh;
             const float *val = qkv + i * wqkv + nq + nk + g * D;
-            const int64_t slot = (g * tmax + start + i) * D;
+            const int64_t slot = (g * S->tmax + S->start + i - S->row0) * D;
             if (kv_half) {
                 to_half((uint16_t *)kc + slot, v, D);
                 to_half((uint16_t *)vc + slot, val, D);
@@ -144,8 +160,15 @@ static void layer_forward_buf(const dd_layer *L, float *x, int64_t n, const int6
     }
     dd_sync();
     PHASE(2);
-    /* 3. attention: one token's rows alone; several tokens share each kv head's reads (dd_attention) */
-    dd_attention(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, L->softcap, scores_all, attn, causal, kv_half);
+    /* 3. attention, each sequence over its own cache: one token's rows alone; several tokens share
+     * each kv head's reads (dd_attention) */
+    for (int64_t s = 0; s < nseq; s++) {
+        const dd_seq *S = seqs + s;
+        const int local = L->window > 0;
+        dd_attention(qkv + S->row0 * wqkv, wqkv, S->n, nh, nkv, D, S->kc + (size_t)(li * S->stride) * elt,
+                     S->vc + (size_t)(li * S->stride) * elt, S->tmax, S->start + S->n, local ? S->local_mask : S->mask,
+                     scale, L->softcap, scores_all, attn + S->row0 * nq, local ? S->local_causal : S->causal, kv_half);
+    }
     PHASE(3);
     /* 4. x += o(attn) (or its norm); 5. post norm; 6. gate and up; 7. act(gate) * up; 8. x += down(...) */
     add_output(L, &L->o, L->attn_norm, attn, n, x, h);
@@ -207,10 +230,71 @@ static int is_causal(const uint8_t *mask, int64_t n, int64_t start) {
     return 1;
 }
 
-/* Layers [0, count) of `layers` in order, in place on x (one layer_forward_buf each, all in one
- * parallel region: opening one took about 1.4 us per layer), layer i using the cache at
- * kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per
- * forward instead of one per layer; every layer is checked (layer_check) before any runs; extra:
+/* Layers [0, count) over the rows of nseq sequences (seqs, in order of their rows, n in all), in place
+ * on x: one layer_forward_buf per layer, all in one parallel region (opening one took about 1.4 us
+ * per layer). Every layer is checked against every sequence (layer_check) before any runs. */
+static int run_layers(const dd_layer *layers, int64_t count, float *x, int64_t n, const int64_t *pos,
+                      const float *cos_t, const float *sin_t, dd_seq *seqs, int64_t nseq, int nthreads,
+                      const float *extra, float *const *capture, const float *final_norm, float final_eps,
+                      int kv_half) {
+    int64_t size = 0, nt = 0; /* one scratch buffer for all the layers and sequences */
+    for (int64_t s = 0; s < nseq; s++) {
+        dd_seq *S = seqs + s;
+        const int64_t t = S->n * (S->start + S->n + 1);
+        nt = t > nt ? t : nt;
+        S->causal = is_causal(S->mask, S->n, S->start);
+        if (!S->local_mask) S->local_mask = S->mask; /* no key outside the windows */
+        S->local_causal = S->local_mask == S->mask ? S->causal : is_causal(S->local_mask, S->n, S->start);
+    }
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t s = 0; s < nseq; s++) {
+            const int rc = layer_check(layers + i, seqs[s].n, seqs[s].tmax, seqs[s].start, extra);
+            if (rc) return rc + 8 * (int)i;
+        }
+        const int64_t need = layer_scratch(layers + i, n, nt);
+        size = need > size ? need : size;
+    }
+    float *buf = malloc(sizeof(float) * (size_t)(size + 1));
+    int64_t *row_seq = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    if (!buf || !row_seq) {
+        free(buf);
+        free(row_seq);
+        return 2;
+    }
+    for (int64_t s = 0; s < nseq; s++)
+        for (int64_t i = 0; i < seqs[s].n; i++) row_seq[seqs[s].row0 + i] = s;
+    dd_span spans[DD_MAX_SPANS] = {{0}};
+    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
+#pragma omp parallel num_threads(nthreads)
+    {
+        team_enter(spans, team_bar);
+        for (int64_t i = 0; i < count; i++) {
+            /* x is only read until the layer's o matmul, after the q/k/v matmul's barrier, which
+             * this thread crosses after the copy */
+            if (capture && capture[i] && omp_get_thread_num() == 0)
+                memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
+            layer_forward_buf(layers + i, i, x, n, pos, cos_t, sin_t, seqs, nseq, row_seq, extra, buf, kv_half);
+        }
+        team_leave();
+    }
+    free(buf);
+    free(row_seq);
+    if (final_norm && count > 0) {
+        const int64_t H = layers[0].hidden;
+        float *row = malloc(sizeof(float) * (size_t)H);
+        if (!row) return 2;
+        for (int64_t i = 0; i < n; i++) {
+            rms_norm_row(x + i * H, final_norm, H, final_eps, row);
+            memcpy(x + i * H, row, sizeof(float) * (size_t)H);
+        }
+        free(row);
+    }
+    return 0;
+}
+
+/* Layers [0, count) of `layers` in order, in place on x [n, H], for one sequence, layer i using the
+ * cache at kc + i * layer_stride elements (and vc likewise): fp32, or fp16 with kv_half. One call per
+ * forward instead of one per layer; extra:
  * [n, extra] for the layers that read one (NULL when none does); capture: NULL, or count pointers, capture[i] (when not NULL) receiving a copy of x [n, H] as it enters
  * layer i (the residual streams a draft head reads); final_norm: NULL, or the weights [H] of an
  * RMSNorm (epsilon final_eps) applied to each row of x after the last layer, in place (a model's
@@ -223,45 +307,29 @@ int dd_layers_forward(const dd_layer *layers, int64_t count, float *x, int64_t n
                       int64_t tmax, int64_t start, const uint8_t *mask, int nthreads, const float *extra,
                       float *const *capture, const float *final_norm, float final_eps, int kv_half,
                       const uint8_t *local_mask) {
-    int64_t size = 0; /* one scratch buffer for all the layers */
-    for (int64_t i = 0; i < count; i++) {
-        const int rc = layer_check(layers + i, n, tmax, start, extra);
-        if (rc) return rc + 8 * (int)i;
-        const int64_t need = layer_scratch(layers + i, n, start + n);
-        size = need > size ? need : size;
-    }
-    float *buf = malloc(sizeof(float) * (size_t)(size + 1));
-    if (!buf) return 2;
-    const int causal = is_causal(mask, n, start);
-    if (!local_mask) local_mask = mask; /* no key outside the windows */
-    const int local_causal = local_mask == mask ? causal : is_causal(local_mask, n, start);
-    dd_span spans[DD_MAX_SPANS] = {{0}};
-    dd_bar bar = {0}, *team_bar = dd_bar_fits(nthreads) ? &bar : NULL;
-#pragma omp parallel num_threads(nthreads)
-    {
-        team_enter(spans, team_bar);
-        for (int64_t i = 0; i < count; i++) {
-            /* x is only read until the layer's o matmul, after the q/k/v matmul's barrier, which
-             * this thread crosses after the copy */
-            if (capture && capture[i] && omp_get_thread_num() == 0)
-                memcpy(capture[i], x, sizeof(float) * (size_t)(n * layers[i].hidden));
-            const size_t at = (size_t)(i * layer_stride) * (kv_half ? sizeof(uint16_t) : sizeof(float));
-            const int local = layers[i].window > 0;
-            layer_forward_buf(layers + i, x, n, pos, cos_t, sin_t, (char *)kc + at, (char *)vc + at, tmax, start,
-                              local ? local_mask : mask, local ? local_causal : causal, extra, buf, kv_half);
-        }
-        team_leave();
-    }
-    free(buf);
-    if (final_norm && count > 0) {
-        const int64_t H = layers[0].hidden;
-        float *row = malloc(sizeof(float) * (size_t)H);
-        if (!row) return 2;
-        for (int64_t i = 0; i < n; i++) {
-            rms_norm_row(x + i * H, final_norm, H, final_eps, row);
-            memcpy(x + i * H, row, sizeof(float) * (size_t)H);
-        }
-        free(row);
-    }
-    return 0;
+    dd_seq seq = {0, n, kc, vc, layer_stride, tmax, start, mask, local_mask, 0, 0};
+    return run_layers(layers, count, x, n, pos, cos_t, sin_t, &seq, 1, nthreads, extra, capture, final_norm,
+                      final_eps, kv_half);
+}
+
+/* The same over several sequences in one call (continuous batching): sequence s owns rows
+ * [rows[s], rows[s + 1]) of x (n = rows[nseq]), its cache kcs[s] / vcs[s] (layer stride strides[s],
+ * tmaxs[s] slots, starts[s] cached tokens) and its masks masks[s] / local_masks[s] (each may be
+ * NULL). The matmuls read each weight once for all of them; a row's result is what the same
+ * sequence gets alone (every sum runs in an order fixed by its own sizes). */
+int dd_layers_forward_seqs(const dd_layer *layers, int64_t count, float *x, const int64_t *pos, const float *cos_t,
+                           const float *sin_t, int64_t nseq, const int64_t *rows, void *const *kcs, void *const *vcs,
+                           const int64_t *strides, const int64_t *tmaxs, const int64_t *starts,
+                           const uint8_t *const *masks, const uint8_t *const *local_masks, int nthreads,
+                           float *const *capture, const float *final_norm, float final_eps, int kv_half) {
+    if (nseq < 1) return 1;
+    dd_seq *seqs = calloc((size_t)nseq, sizeof(dd_seq));
+    if (!seqs) return 2;
+    for (int64_t s = 0; s < nseq; s++)
+        seqs[s] = (dd_seq){rows[s], rows[s + 1] - rows[s], kcs[s], vcs[s], strides[s], tmaxs[s], starts[s], masks[s],
+                           local_masks ? local_masks[s] : NULL, 0, 0};
+    const int rc = run_layers(layers, count, x, rows[nseq], pos, cos_t, sin_t, seqs, nseq, nthreads, NULL, capture,
+                              final_norm, final_eps, kv_half);
+    free(seqs);
+    return rc;
 }

@@ -1,0 +1,248 @@
+"""Continuous batching: several requests decoded together, one target forward per step for all of them.
+
+:class:`BatchWorker` is a drop-in for :class:`~ddspec.server.worker.EngineWorker` (the same jobs,
+admission bound and events) that keeps ``slots`` generations running at once. Each slot is one
+sequence: a handle on the target with a KV cache of its own (``NativeLlama.session``), its own
+drafters (built per method on first use, sharing the one draft head), and an :class:`Engine` whose
+:meth:`~ddspec.engine.Engine.steps` runs the request exactly as it runs alone, but hands out each
+target forward it needs. The worker's loop:
+
+1. admits waiting jobs into free slots (requests join between steps; a job cancelled while waiting
+   is skipped, one cancelled while running is closed at its next step and frees its slot);
+2. advances every slot's generation to its next forward (its drafter drafts, its chunks go out);
+3. runs all those forwards as one (``forward_many``: the rows of every sequence through each weight
+   once, each sequence's attention over its own cache), and hands each its output.
+
+A long prompt is prefilled in chunks of 256 tokens, one per step, beside the other slots' steps,
+so it delays them by one chunk's time per step rather than stalling them until it is done. Each
+sequence's tokens are those of its own plain decoding (the same bits: see forward_many), whatever
+else shares its steps; seeded sampling follows each request's own seed.
+
+Load-aware speculation: before each step every slot's cost-aware policy is told what the other
+slots add to the forward (their rows and expected tokens, from their previous step), and sizes its
+tree to maximise the batch's expected tokens per second rather than its own (see
+``CostAwarePolicy.batch``): as more sequences share a forward, a drafted node's extra row costs the
+whole batch, and trees shrink; they grow back as the load falls.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+from ddspec.config import TreeConfig
+from ddspec.engine import Chunk, Engine, Forward
+from ddspec.errors import DdspecError
+from ddspec.server.protocol import ApiError
+from ddspec.server.worker import EngineWorker, Job, kept_drafter
+
+log = logging.getLogger("ddspec.server")
+
+
+class Slot:
+    """One sequence of the batch: a target session, its drafters by method, its engine and job."""
+
+    def __init__(self, session, make_drafter, default_method: str) -> None:
+        self.session, self._make_drafter, self.default_method = session, make_drafter, default_method
+        self.engine = Engine(session)
+        self.drafters: dict[str, object] = {}
+        self.job: Job | None = None
+        self.steps = None  # the job's Engine.steps generator
+        self.pending: Forward | None = None  # the forward it waits for
+        self.t0 = 0.0
+        self.rows, self.tokens = 1, 1.0  # its previous step's verified rows and emitted tokens
+
+    def drafter(self, method: str):
+        return kept_drafter(self.drafters, method, lambda m: self._make_drafter(m, self.session), self.default_method)
+
+    def start(self, job: Job) -> None:
+        engine = self.engine
+        engine.drafter = self.drafter(job.method)
+        engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
+        self.job, self.pending, self.t0 = job, None, time.perf_counter()
+        self.steps = engine.steps(job.prompt_ids, job.stop, trace=job.trace, cancelled=job.cancelled.is_set)
+        self.rows, self.tokens = 1, 1.0
+
+    def close(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
+        self.job = self.steps = self.pending = None
+
+    @property
+    def policy(self):
+        return getattr(self.engine.drafter, "cost_policy", None)
+
+
+class BatchWorker(EngineWorker):
+    """Runs jobs ``slots`` at a time on one target, their steps batched (see the module docstring)."""
+
+    def __init__(self, target, make_drafter, default_method: str, slots: int, max_queue: int = 16,
+                 on_step=None) -> None:
+        """make_drafter(method, target) -> a drafter for that target handle, or None (vanilla)."""
+        if slots < 1:
+            raise DdspecError(f"--batch must be >= 1, got {slots}")
+        if not hasattr(target, "forward_many"):
+            raise DdspecError("--batch needs the native target (a model of a native family, --impl native)")
+        self.model = target
+        self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
+        super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
+                         default_method, max(max_queue, slots), on_step)
+        self._thread.name = "ddspec-batch"
+
+    def drafter(self, method: str):
+        """The first slot's drafter for ``method`` (builds the head before the server starts)."""
+        return self.slots[0].drafter(method)
+
+    @property
+    def _drafters(self) -> dict:
+        """The first slot's drafters (the one a lone client's requests use)."""
+        return self.slots[0].drafters
+
+    @_drafters.setter
+    def _drafters(self, value) -> None:  # EngineWorker's constructor sets its own: each slot keeps its drafters
+        pass
+
+    # -- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        stopping = False
+        while True:
+            active = [s for s in self.slots if s.job is not None]
+            if stopping and not active:
+                return
+            free = [s for s in self.slots if s.job is None]
+            self.busy = bool(active)
+            while free and not stopping:  # admission: block only when nothing runs
+                try:
+                    job = self._queue.get(block=not active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                if self._begin(free[0], job):
+                    active.append(free.pop(0))
+            self.busy = bool(active)
+            self._tell_policies(active)
+            for slot in active:
+                self._advance(slot, None)
+            ready = [s for s in self.slots if s.job is not None and s.pending is not None]
+            if not ready:
+                continue
+            calls = [(s.session, f.tokens, f.positions, f.mask, f.hidden_layers, f.last_logits)
+                     for s in ready for f in (s.pending,)]
+            t = time.perf_counter()
+            try:
+                outs = self.model.forward_many(calls)
+            except Exception as e:  # a bug: every job of the step answers 500, the server keeps serving
+                log.exception("batched forward failed")
+                for s in ready:
+                    self._fail(s, ApiError(500, f"internal error during generation: {type(e).__name__}: {e}",
+                                           kind="server_error"))
+                continue
+            seconds = time.perf_counter() - t
+            for s, out in zip(ready, outs):
+                s.pending.seconds = seconds
+                s.pending, value = None, out
+                self._advance(s, value)
+
+    def _begin(self, slot: Slot, job: Job) -> bool:
+        """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
+        if job.cancelled.is_set():
+            self._release(job)
+            return False
+        try:
+            if job.prepare is not None:
+                job.prompt_ids, job.stop = job.prepare()
+                job.prepare = None
+            slot.start(job)
+        except ApiError as e:
+            job.send("error", e)
+            self._release(job)
+            return False
+        except DdspecError as e:
+            job.send("error", ApiError(400, str(e)))
+            self._release(job)
+            return False
+        except Exception as e:  # a bug: answer 500, keep serving
+            log.exception("starting a generation failed")
+            job.send("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+            self._release(job)
+            return False
+        return True
+
+    def _advance(self, slot: Slot, value) -> None:
+        """Run a slot's generation up to its next forward (``value``: the output of the one it waited
+        for, or None to start / resume it), sending its chunks; finish the job when it ends."""
+        job = slot.job
+        if job is None or (value is None and slot.pending is not None):
+            return
+        try:
+            while True:
+                if job.cancelled.is_set():
+                    self._end(slot)
+                    return
+                item = slot.steps.send(value) if value is not None else next(slot.steps)
+                value = None
+                if isinstance(item, Forward):
+                    slot.pending = item
+                    return
+                self._emit(slot, item)
+        except StopIteration as done:
+            if done.value.finish_reason != "cancelled":
+                job.send("done", done.value)
+            self._end(slot)
+        except ApiError as e:
+            self._fail(slot, e)
+        except DdspecError as e:
+            self._fail(slot, ApiError(400, str(e)))
+        except Exception as e:  # a bug: answer 500, keep serving
+            log.exception("generation failed")
+            self._fail(slot, ApiError(500, f"internal error during generation: {type(e).__name__}: {e}",
+                                      kind="server_error"))
+
+    def _emit(self, slot: Slot, chunk: Chunk) -> None:
+        if chunk.step is not None:
+            slot.rows, slot.tokens = chunk.step.tree_size, 0.8 * slot.tokens + 0.2 * (chunk.step.accepted + 1)
+            if self.on_step is not None:
+                self.on_step(chunk.step)
+        slot.job.send("chunk", chunk)
+
+    def _fail(self, slot: Slot, error: ApiError) -> None:
+        if slot.job is not None:
+            slot.job.send("error", error)
+        self._end(slot)
+
+    def _end(self, slot: Slot) -> None:
+        job = slot.job
+        slot.close()
+        if job is not None:
+            self._release(job)
+            if not job.cancelled.is_set():
+                self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
+
+    def _tell_policies(self, ready: list[Slot]) -> None:
+        """Each cost-aware slot learns what the others add to the coming forward (rows, expected tokens)."""
+        rows = sum(s.rows for s in ready)
+        tokens = sum(s.tokens for s in ready)
+        for s in ready:
+            if s.policy is not None:
+                s.policy.batch = (rows - s.rows, tokens - s.tokens)
+
+
+def batch_drafter_factory(head_spec: str | None, tree: TreeConfig, target):
+    """make_drafter(method, session) for BatchWorker: the draft head loaded once (on the first tree
+    method), a drafter per slot and method bound to that slot's target handle."""
+    from ddspec.methods import make_drafter, resolve_head, tree_config
+
+    head = None
+
+    def build(method: str, session):
+        nonlocal head
+        if tree_config(method, tree) is None:
+            return None
+        if head is None:
+            head = resolve_head(head_spec, target)
+        return make_drafter(method, session, head, tree)
+
+    return build

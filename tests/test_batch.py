@@ -1,0 +1,164 @@
+"""Continuous batching: several sequences' forwards in one (NativeLlama.forward_many), the engine's
+generation driven from outside (Engine.steps), the batch worker's load-aware policy, and the server
+decoding several requests at once (the whole server suite also runs batched: test_server.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ddspec.config import SamplingConfig, StopConfig
+from ddspec.engine import Chunk, Engine, Forward
+from ddspec.methods import make_drafter
+from test_models import ancestor_mask, random_tree
+from test_spec_engine import eagle
+
+needs_kernels = pytest.mark.skipif(not __import__("ddspec.native").native.available(),
+                                   reason="the C kernels cannot be built here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_forward_many_equals_each_sequences_own_forward_bit_for_bit(tiny_dirs, tmp_path, family, monkeypatch):
+    """A prompt, a tree, a chain and one token, of four sequences at different lengths, in one call:
+    each gets exactly the logits, features, hidden states and argmax of its own forward."""
+    from ddspec.models.loading import load_target
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    monkeypatch.setenv("DDSPEC_KERNEL", "native")
+    folder = tiny_dirs["llama"] if family == "llama" else make_tiny_model_dir(
+        tmp_path / family, family, seed=3, layers=6, sliding_window=8)
+    model = load_target(str(folder), impl="native")
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.info.vocab_size
+    solo, batched = [model.session() for _ in range(4)], [model.session() for _ in range(4)]
+    prefixes = [0, 9, 17, 30]
+    for sessions in (solo, batched):
+        for s, p in zip(sessions, prefixes):
+            s.reset(64)
+            if p:
+                s.forward(torch.arange(p) % vocab, torch.arange(p))
+                s.commit(torch.arange(p))
+    parents, depths = random_tree(7, gen)
+    calls = [
+        (torch.randint(0, vocab, (12,), generator=gen), torch.arange(12), None, (0, 1), True),  # a prompt
+        (torch.randint(0, vocab, (7,), generator=gen), 9 + depths, ancestor_mask(parents), (1,), False),  # a tree
+        (torch.randint(0, vocab, (3,), generator=gen), 17 + torch.arange(3), torch.ones(3, 3).tril().bool(), (), False),
+        (torch.randint(0, vocab, (1,), generator=gen), torch.tensor([30]), None, (2,), False),  # one token
+    ]
+    want = [s.forward(t, p, m, h, last_logits=last) for s, (t, p, m, h, last) in zip(solo, calls)]
+    got = model.forward_many([(s, *c) for s, c in zip(batched, calls)])
+    for w, g in zip(want, got):
+        assert torch.equal(w.logits, g.logits) and torch.equal(w.features, g.features)
+        assert w.hidden_states.keys() == g.hidden_states.keys()
+        assert all(torch.equal(w.hidden_states[k], g.hidden_states[k]) for k in w.hidden_states)
+        assert (w.argmax is None) == (g.argmax is None) and (w.argmax is None or torch.equal(w.argmax, g.argmax))
+    assert [s.cache_length for s in batched] == [s.cache_length for s in solo]
+
+
+def drive(model, runs: list[tuple[Engine, list[int], StopConfig, int]]) -> list[list[int]]:
+    """Decode runs together as the batch worker does: run i joins at step ``join``; every step
+    advances each generation to its next forward and runs those forwards in one forward_many."""
+    out = [[] for _ in runs]
+    live: dict[int, tuple] = {}
+    step = 0
+    while step == 0 or live or any(j >= step for *_, j in runs):
+        for i, (engine, prompt, stop, join) in enumerate(runs):
+            if join == step:
+                live[i] = (engine.steps(prompt, stop), None)
+        pending = {}
+        for i, (steps, value) in list(live.items()):
+            try:
+                item = steps.send(value) if value is not None else next(steps)
+                while isinstance(item, Chunk):
+                    out[i] += item.token_ids
+                    item = next(steps)
+                pending[i] = item
+            except StopIteration:
+                del live[i]
+        if pending:
+            keys = list(pending)
+            outs = model.forward_many([(runs[i][0].target, f.tokens, f.positions, f.mask, f.hidden_layers,
+                                        f.last_logits) for i in keys for f in (pending[i],)])
+            for i, o in zip(keys, outs):
+                live[i] = (live[i][0], o)
+        step += 1
+    return out
+
+
+@needs_kernels
+def test_requests_joining_and_leaving_each_equal_their_solo_run(tiny_targets):
+    """Five generations of different methods, lengths and sampling join a batch at different steps
+    (one after a long prompt): each one's tokens equal its own run alone."""
+    model = tiny_targets[("llama", "native")]
+    prompts = [[5, 17, 33, 8, 90], [40, 41, 42] * 50, [7] * 9, [100, 3, 64, 12, 99, 1, 2, 77], [12, 13]]
+    settings = [("vanilla", SamplingConfig(), 20, 0), ("eagle2", SamplingConfig(), 30, 0),
+                ("lookup", SamplingConfig(), 12, 2), ("ddspec", SamplingConfig(temperature=0.8, seed=3), 25, 3),
+                ("ddd", SamplingConfig(temperature=0.7, top_p=0.9, seed=4), 18, 9)]
+
+    def engine(target, method, sampling):
+        drafter = None if method == "vanilla" else (make_drafter(method, target, None) if method == "lookup"
+                                                    else eagle(target, method))
+        return Engine(target, drafter, sampling)
+
+    solo = [engine(model, m, s).generate(p, StopConfig(max_new_tokens=n, stop_on_eos=False)).token_ids
+            for p, (m, s, n, _) in zip(prompts, settings)]
+    runs = [(engine(model.session(), m, s), p, StopConfig(max_new_tokens=n, stop_on_eos=False), join)
+            for p, (m, s, n, join) in zip(prompts, settings)]
+    assert drive(model, runs) == solo
+
+
+def test_the_policy_prices_a_node_for_the_whole_batch():
+    """Beside other sequences the cost-aware policy maximises the batch's tokens per ms: the same
+    drafted scores give a smaller tree as the other rows grow (a row costs every sequence's step)."""
+    from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy, CostModel, linear_cost
+
+    cost = CostModel(linear_cost(5.0, 0.4), draft_root_ms=0.3, draft_level_ms=0.3, other_ms=0.2)
+    policy = CostAwarePolicy(cost, AcceptanceModel(), max_depth=6, max_tokens=32)
+    scores = [-0.05 * i for i in range(30)]
+    sizes = []
+    for rows, tokens in ((0, 0.0), (8, 12.0), (32, 48.0)):
+        policy.batch = (rows, tokens)
+        sizes.append(policy.best(scores, 3)[0])
+    assert sizes[0] > sizes[1] > sizes[2] >= 1, sizes
+    policy.batch = (32, 48.0)
+    assert policy.plain_rate() == pytest.approx(49.0 / policy._batch_plain_ms())
+
+
+@needs_kernels
+def test_a_short_request_behind_long_ones_is_not_starved(tiny_dirs):
+    """Three long streams run; a short request that arrives after them finishes long before them."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from ddspec.models.loading import load_target
+    from ddspec.server.build import LiveServer, make_service
+
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    with LiveServer(make_service(target, method="vanilla", max_tokens=400, batch=4)) as url:
+        client = openai.OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=120)
+
+        model = client.models.list().data[0].id
+
+        def tokens(prompt: str, n: int) -> int:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0).usage.completion_tokens
+
+        # prompts whose greedy answers run the whole 400 tokens (no end-of-text on the way)
+        long = [p for p in (f"story {i}:" for i in range(40)) if tokens(p, 400) == 400][:3]
+        assert len(long) == 3
+        done: dict[str, float] = {}
+
+        def ask(prompt: str, n: int) -> None:
+            tokens(prompt, n)
+            done[prompt] = time.perf_counter()
+
+        threads = [threading.Thread(target=ask, args=(p, 400)) for p in long]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        ask("short", 8)
+        for t in threads:
+            t.join()
+        assert all(done["short"] < done[p] for p in long), done
