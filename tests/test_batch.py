@@ -121,10 +121,10 @@ def test_the_policy_prices_a_node_for_the_whole_batch():
     scores = [-0.05 * i for i in range(30)]
     sizes = []
     for rows, tokens in ((0, 0.0), (8, 12.0), (32, 48.0)):
-        policy.batch = (rows, tokens)
+        policy.batch = (rows, tokens, 2.0 * rows / 8)
         sizes.append(policy.best(scores, 3)[0])
     assert sizes[0] > sizes[1] > sizes[2] >= 1, sizes
-    policy.batch = (32, 48.0)
+    policy.batch = (32, 48.0, 8.0)
     assert policy.plain_rate() == pytest.approx(49.0 / policy._batch_plain_ms())
 
 

@@ -19,10 +19,13 @@ sequence's tokens are those of its own plain decoding (the same bits: see forwar
 else shares its steps; seeded sampling follows each request's own seed.
 
 Load-aware speculation: before each step every slot's cost-aware policy is told what the other
-slots add to the forward (their rows and expected tokens, from their previous step), and sizes its
-tree to maximise the batch's expected tokens per second rather than its own (see
+slots add to the step (their rows, expected tokens and draft time, from their previous step), and
+sizes its tree to maximise the batch's expected tokens per second rather than its own (see
 ``CostAwarePolicy.batch``): as more sequences share a forward, a drafted node's extra row costs the
-whole batch, and trees shrink; they grow back as the load falls.
+whole batch, and trees shrink; they grow back as the load falls. Over that, the worker measures
+the batch's tokens per second with drafting allowed and with it held back, per number of running
+sequences, and holds drafting back where that has been faster (trying the other choice a few steps
+in every 64), so that speculation never costs the batch what it does not give back.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class Slot:
         self.steps = None  # the job's Engine.steps generator
         self.pending: Forward | None = None  # the forward it waits for
         self.t0 = 0.0
-        self.rows, self.tokens = 1, 1.0  # its previous step's verified rows and emitted tokens
+        self.rows, self.tokens, self.draft_ms = 1, 1.0, 0.0  # its previous step's rows, tokens (mean), draft ms
 
     def drafter(self, method: str):
         return kept_drafter(self.drafters, method, lambda m: self._make_drafter(m, self.session), self.default_method)
@@ -62,7 +65,7 @@ class Slot:
         engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
         self.job, self.pending, self.t0 = job, None, time.perf_counter()
         self.steps = engine.steps(job.prompt_ids, job.stop, trace=job.trace, cancelled=job.cancelled.is_set)
-        self.rows, self.tokens = 1, 1.0
+        self.rows, self.tokens, self.draft_ms = 1, 1.0, 0.0
 
     def close(self) -> None:
         if self.steps is not None:
@@ -86,12 +89,20 @@ class BatchWorker(EngineWorker):
             raise DdspecError("--batch needs the native target (a model of a native family, --impl native)")
         self.model = target
         self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
+        # measured tokens per second of steps with drafting allowed / held back, per number of sequences:
+        # decayed sums [tokens on, s on, tokens off, s off] (see _choose_drafting)
+        self._rates: dict[int, list[float]] = {}
+        self._steps = 0
+        self._step_tokens = 0
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
         self._thread.name = "ddspec-batch"
 
     def drafter(self, method: str):
-        """The first slot's drafter for ``method`` (builds the head before the server starts)."""
+        """Every slot's drafter for ``method`` (built on first use, for all slots at once: a request
+        arriving later finds its drafter ready); returns the first slot's."""
+        for slot in self.slots[1:]:
+            slot.drafter(method)
         return self.slots[0].drafter(method)
 
     @property
@@ -123,7 +134,9 @@ class BatchWorker(EngineWorker):
                 if self._begin(free[0], job):
                     active.append(free.pop(0))
             self.busy = bool(active)
-            self._tell_policies(active)
+            t_step, self._step_tokens = time.perf_counter(), 0
+            drafting = self._choose_drafting(active)
+            self._tell_policies(active, drafting)
             for slot in active:
                 self._advance(slot, None)
             ready = [s for s in self.slots if s.job is not None and s.pending is not None]
@@ -145,6 +158,7 @@ class BatchWorker(EngineWorker):
                 s.pending.seconds = seconds
                 s.pending, value = None, out
                 self._advance(s, value)
+            self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step)
 
     def _begin(self, slot: Slot, job: Job) -> bool:
         """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
@@ -155,6 +169,7 @@ class BatchWorker(EngineWorker):
             if job.prepare is not None:
                 job.prompt_ids, job.stop = job.prepare()
                 job.prepare = None
+            self.drafter(job.method)
             slot.start(job)
         except ApiError as e:
             job.send("error", e)
@@ -203,7 +218,9 @@ class BatchWorker(EngineWorker):
 
     def _emit(self, slot: Slot, chunk: Chunk) -> None:
         if chunk.step is not None:
-            slot.rows, slot.tokens = chunk.step.tree_size, 0.8 * slot.tokens + 0.2 * (chunk.step.accepted + 1)
+            step = chunk.step
+            slot.rows, slot.tokens, slot.draft_ms = step.tree_size, 0.8 * slot.tokens + 0.2 * (step.accepted + 1), step.draft_ms
+            self._step_tokens += step.accepted + 1
             if self.on_step is not None:
                 self.on_step(chunk.step)
         slot.job.send("chunk", chunk)
@@ -221,13 +238,37 @@ class BatchWorker(EngineWorker):
             if not job.cancelled.is_set():
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
-    def _tell_policies(self, ready: list[Slot]) -> None:
-        """Each cost-aware slot learns what the others add to the coming forward (rows, expected tokens)."""
-        rows = sum(s.rows for s in ready)
-        tokens = sum(s.tokens for s in ready)
+    explore_every, explore_steps, rate_decay = 64, 4, 0.95
+
+    def _choose_drafting(self, active: list[Slot]) -> bool:
+        """Whether the cost-aware slots may draft this step: with several sequences, whichever of
+        drafting allowed / held back has given more tokens per second at this many sequences (each
+        tried first; the other again for ``explore_steps`` of every ``explore_every`` steps). Alone,
+        the slot's own policy decides as it does outside a batch."""
+        self._steps += 1
+        n = len(active)
+        if n < 2 or not any(s.policy is not None for s in active):
+            return True
+        on_tokens, on_s, off_tokens, off_s = self._rates.setdefault(n, [0.0, 0.0, 0.0, 0.0])
+        if on_s == 0.0 or off_s == 0.0:
+            return on_s == 0.0
+        best = on_tokens / on_s >= off_tokens / off_s
+        return best != (self._steps % self.explore_every < self.explore_steps)
+
+    def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
+        if n < 2 or n not in self._rates or tokens == 0:
+            return
+        r, d = self._rates[n], self.rate_decay
+        i = 0 if drafting else 2
+        r[i], r[i + 1] = r[i] * d + tokens, r[i + 1] * d + seconds
+
+    def _tell_policies(self, ready: list[Slot], drafting: bool = True) -> None:
+        """Each cost-aware slot learns what the others add to the coming step (rows, expected tokens, draft ms)."""
+        rows, tokens, draft = (sum(getattr(s, k) for s in ready) for k in ("rows", "tokens", "draft_ms"))
         for s in ready:
             if s.policy is not None:
-                s.policy.batch = (rows - s.rows, tokens - s.tokens)
+                s.policy.plain_only = not drafting
+                s.policy.batch = (rows - s.rows, tokens - s.tokens, draft - s.draft_ms) if len(ready) > 1 else (0, 0.0, 0.0)
 
 
 def batch_drafter_factory(head_spec: str | None, tree: TreeConfig, target):

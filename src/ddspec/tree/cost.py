@@ -101,11 +101,12 @@ class CostAwarePolicy:
         self._chain_cuts = 0
         self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
         self.steps_seen = 0  # steps observed in this process
-        # continuous batching (server/batch.py): (rows, expected tokens) the other sequences add to the
-        # coming forward. With rows > 0 every rate is the batch's: (their tokens + this tree's) per ms of
-        # a forward over (their rows + this tree's), so a drafted node is worth its row only if it adds
-        # more tokens than the row costs the whole batch; (0, 0.0) alone
-        self.batch: tuple[int, float] = (0, 0.0)
+        # continuous batching (server/batch.py): (rows, expected tokens, draft ms) the other sequences add
+        # to the coming step. With rows > 0 every rate is the batch's: (their tokens + this tree's) per ms
+        # of their drafting, this draft and a forward over (their rows + this tree's), so a drafted node
+        # is worth its row only if it adds more tokens than the row costs the whole batch; (0, 0.0, 0.0) alone
+        self.batch: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
 
     @property
@@ -132,7 +133,7 @@ class CostAwarePolicy:
         """Expected ms of a step that drafts ``levels`` levels and verifies N = 1 .. n_max nodes (root
         included): the draft, the per-step rest and the verification."""
         cost, rows = self.cost, self.batch[0]
-        fixed = cost.draft(levels) + cost.other_ms
+        fixed = cost.draft(levels) + cost.other_ms + self.batch[2]
         return [fixed + v for v in cost.verify_list(rows + n_max)[rows:rows + n_max]]
 
     def rates(self, scores: list[float], levels: int) -> list[float]:
@@ -171,7 +172,7 @@ class CostAwarePolicy:
 
     def _batch_plain_ms(self) -> float:
         """ms of a step that adds one row to the other sequences' ``batch`` rows."""
-        return self._plain_step_ms() + self.cost.verify_one(self.batch[0] + 1) - self.cost.verify_one(1)
+        return self._plain_step_ms() + self.batch[2] + self.cost.verify_one(self.batch[0] + 1) - self.cost.verify_one(1)
 
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
@@ -205,6 +206,10 @@ class CostAwarePolicy:
         ``explore_far`` otherwise, so neither estimate goes stale. A drafted try costs a catch-up
         of the head and a tree (about two plain steps): while drafting stays the worse choice
         after each try, the wait before the next one doubles (up to ``max_backoff`` times)."""
+        if self.plain_only:
+            self.drafting, self.levels, self._probe_size, self._probe_extra = False, 0, False, (0.0, 0.0)
+            self.prediction = (1.0 + self.batch[1], self._batch_plain_ms() if self.batch[0] else self._plain_step_ms())
+            return False
         drafted = self.draft_rate()
         explore = False
         if chain and self._chain_steps < self.min_drafted:
@@ -366,7 +371,7 @@ class CostAwarePolicy:
         draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time.
         Beside other sequences (``batch``) the forward verified their rows too and the step's tokens
         count theirs: both are kept in the batch's terms, as the forecasts are."""
-        rows, others = self.batch
+        rows, others, _ = self.batch
         if self.drafting or not rows:  # (a plain step's time beside others teaches no plain step's cost)
             self.costs.observe(rows + tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         tokens = tokens + others
