@@ -238,7 +238,7 @@ class BatchWorker(EngineWorker):
             if not job.cancelled.is_set():
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
-    explore_every, explore_steps, rate_decay = 64, 4, 0.95
+    explore_every, explore_steps, rate_decay = 64, 4, 0.95  # see _choose_drafting
 
     def _choose_drafting(self, active: list[Slot]) -> bool:
         """Whether the cost-aware slots may draft this step: with several sequences, whichever of

@@ -256,15 +256,22 @@ class CostAwarePolicy:
         (:meth:`LearnedCosts.plain_verify`). A match on the context's last token alone guesses
         worse than one on its last three; where verifying a few more tokens is dear (fp32 here)
         such chains are cut, where it is nearly free (8-bit activations) they are verified."""
-        if order <= 0 or available <= 0:
+        if order <= 0 or available <= 0 or self.plain_only:
             return 0
         seen, accepted = self._chain_counts(order, available)
         costs, gap = self.costs, max(self.costs.gap_ms, 0.0)
-        best_l, best = 0, 1.0 / (costs.plain_verify(1) + gap)
+        rows, others, drafting = self.batch
+
+        def ms(nodes: int) -> float:  # beside other sequences: the batch's step over their rows and these
+            if rows:
+                return drafting + gap + self.cost.verify_one(rows + nodes)
+            return costs.plain_verify(nodes) + gap
+
+        best_l, best = 0, (1.0 + others) / ms(1)
         expected, w = 0.0, self.chain_prior_weight
         for l in range(1, available + 1):
             expected += (accepted[l - 1] + w * self.chain_prior ** l) / (seen[l - 1] + w)
-            rate = (1.0 + expected) / (costs.plain_verify(1 + l) + gap)
+            rate = (1.0 + others + expected) / ms(1 + l)
             if rate > best:
                 best_l, best = l, rate
         if best_l < available:
