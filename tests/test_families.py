@@ -14,7 +14,7 @@ from ddspec.draft.checkpoint import random_head
 from ddspec.draft.eagle import EagleDrafter
 from ddspec.engine import Engine
 from ddspec.methods import METHODS, make_drafter, tree_config
-from test_models import ancestor_mask, path_to, random_tree
+from test_models import assert_tree_rows_equal_their_paths
 from test_spec_engine import SMALL, eagle
 
 FAMILIES = ("qwen3", "gemma", "gemma2", "gemma3", "phi3", "mistral")
@@ -83,22 +83,7 @@ def test_native_matches_transformers_over_prefill_and_steps(family_dirs, family_
 def test_tree_rows_equal_their_paths_past_the_window(family_targets, family, impl):
     """A 14-node tree after 12 tokens (deeper than the 8-token window): every row's logits equal its
     path decoded alone, for the native forward and for the HF adapter's per-layer-type masks."""
-    target = family_targets[(family, impl)]
-    gen = torch.Generator().manual_seed(7)
-    vocab = target.info.vocab_size
-    prefix = torch.randint(0, vocab, (12,), generator=gen)
-    n = 14
-    tokens = torch.randint(0, vocab, (n,), generator=gen)
-    parents, depths = random_tree(n, gen)
-    target.reset(64)
-    target.forward(prefix, torch.arange(12))
-    target.commit(torch.arange(12))
-    tree_out = target.forward(tokens, 12 + depths, ancestor_mask(parents))
-    for leaf in sorted(set(range(n)) - set(parents.tolist())):
-        path = path_to(parents, leaf)
-        target.truncate(12)
-        seq = target.forward(tokens[path], 12 + torch.arange(len(path)))
-        assert (seq.logits - tree_out.logits[path]).abs().max() <= TOL, f"path {path}"
+    assert_tree_rows_equal_their_paths(family_targets[(family, impl)], cached=12)
 
 
 def test_the_hf_adapter_applies_the_windows(family_targets):

@@ -51,28 +51,31 @@ def test_native_matches_hf_logits(tiny_targets, family):
     assert outs[0].logits.std() > 0.1  # not a degenerate model
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tree_forward_matches_sequential_paths(tiny_targets, family, impl):
-    target = tiny_targets[(family, impl)]
-    gen = torch.Generator().manual_seed(7)
+def assert_tree_rows_equal_their_paths(target, cached: int, n: int = 14, seed: int = 7) -> None:
+    """A random n-node tree after ``cached`` random tokens: every row's logits and features equal its
+    path decoded alone after the same tokens (TOL)."""
+    gen = torch.Generator().manual_seed(seed)
     vocab = target.info.vocab_size
-    prefix = torch.randint(0, vocab, (9,), generator=gen)
-    n = 14
+    prefix = torch.randint(0, vocab, (cached,), generator=gen)
     tokens = torch.randint(0, vocab, (n,), generator=gen)
     parents, depths = random_tree(n, gen)
     target.reset(64)
-    target.forward(prefix, torch.arange(9))
-    target.commit(torch.arange(9))
-    tree_out = target.forward(tokens, 9 + depths, ancestor_mask(parents))
-    leaves = set(range(n)) - set(parents.tolist())
-    for leaf in sorted(leaves):
+    target.forward(prefix, torch.arange(cached))
+    target.commit(torch.arange(cached))
+    tree_out = target.forward(tokens, cached + depths, ancestor_mask(parents))
+    for leaf in sorted(set(range(n)) - set(parents.tolist())):
         path = path_to(parents, leaf)
-        target.truncate(9)
-        seq = target.forward(tokens[path], 9 + torch.arange(len(path)))
+        target.truncate(cached)
+        seq = target.forward(tokens[path], cached + torch.arange(len(path)))
         diff = (seq.logits - tree_out.logits[path]).abs().max()
         assert diff <= TOL, f"path {path}: max abs diff {diff}"
         assert (seq.features - tree_out.features[path]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_forward_matches_sequential_paths(tiny_targets, family, impl):
+    assert_tree_rows_equal_their_paths(tiny_targets[(family, impl)], cached=9)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -220,25 +220,33 @@ def _qwen2_config(meta: dict, tensors: dict, vocab: int, get, special: dict) -> 
     always hidden / heads, so a file saying otherwise is left to transformers), sets no sliding
     window (llama.cpp runs qwen2 with full attention in every layer), and writes ``unk_token_id``
     only when the file has one."""
-    heads, hidden, layers = int(get("attention.head_count")), int(get("embedding_length")), int(get("block_count"))
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
     head_dim = get("rope.dimension_count", get("attention.key_length", hidden // heads))
     if int(head_dim) != hidden // heads or heads * (hidden // heads) != hidden:
         raise NotCovered(f"a qwen2 head size ({head_dim}) other than hidden / heads")
-    cfg = {
+    return _finish(_qwen_fields("qwen2", meta, tensors, vocab, get, special),
+                   ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_window"))
+
+
+def _qwen_fields(model_type: str, meta: dict, tensors: dict, vocab: int, get, special: dict) -> dict:
+    """The fields Qwen2Config and Qwen3Config share, as transformers saves them (no sliding window:
+    llama.cpp runs every layer with full attention)."""
+    heads, layers = int(get("attention.head_count")), int(get("block_count"))
+    return {
         "_model_name_or_path": meta.get("general.name"),
-        "architectures": ["Qwen2ForCausalLM"],
+        "architectures": [f"{model_type.capitalize()}ForCausalLM"],
         "attention_dropout": 0.0,
         "bos_token_id": special["bos_token_id"],
         "dtype": "float32",
         "eos_token_id": special["eos_token_id"],
         "hidden_act": "silu",
-        "hidden_size": hidden,
+        "hidden_size": int(get("embedding_length")),
         "initializer_range": 0.02,
         "intermediate_size": int(get("feed_forward_length")),
         "layer_types": ["full_attention"] * layers,
         "max_position_embeddings": int(get("context_length", 32768)),
         "max_window_layers": 28,
-        "model_type": "qwen2",
+        "model_type": model_type,
         "num_attention_heads": heads,
         "num_hidden_layers": layers,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -252,8 +260,6 @@ def _qwen2_config(meta: dict, tensors: dict, vocab: int, get, special: dict) -> 
         "use_sliding_window": False,
         "vocab_size": int(get("vocab_size", vocab)),
     }
-    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_window")
-    return {k: v for k, v in cfg.items() if v is not None or k in keep}
 
 
 # the rope.scaling keys an architecture's config can express (others: NotCovered): Gemma 3's linear
@@ -279,37 +285,9 @@ def _qwen3_config(meta: dict, tensors: dict, vocab: int, get, special: dict) -> 
     """Qwen3Config as transformers saves it: Qwen2's settings plus ``head_dim`` (llama.cpp writes it as
     ``attention.key_length``; transformers' GGUF loader reads none and keeps 128, which only the real
     Qwen3 models have) and ``attention_bias`` (no file of llama.cpp's has one)."""
-    heads, hidden, layers = int(get("attention.head_count")), int(get("embedding_length")), int(get("block_count"))
-    cfg = {
-        "_model_name_or_path": meta.get("general.name"),
-        "architectures": ["Qwen3ForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": special["bos_token_id"],
-        "dtype": "float32",
-        "eos_token_id": special["eos_token_id"],
-        "head_dim": _head_dim(get, hidden, heads, "qwen3"),
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "initializer_range": 0.02,
-        "intermediate_size": int(get("feed_forward_length")),
-        "layer_types": ["full_attention"] * layers,
-        "max_position_embeddings": int(get("context_length", 32768)),
-        "max_window_layers": 28,
-        "model_type": "qwen3",
-        "num_attention_heads": heads,
-        "num_hidden_layers": layers,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "pad_token_id": special["pad_token_id"],
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_parameters": {"rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "default"},
-        "sliding_window": None,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "unk_token_id": special["unk_token_id"],
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": int(get("vocab_size", vocab)),
-    }
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    cfg = _qwen_fields("qwen3", meta, tensors, vocab, get, special)
+    cfg.update(attention_bias=False, head_dim=_head_dim(get, hidden, heads, "qwen3"))
     return _finish(cfg, ("bos_token_id", "eos_token_id", "pad_token_id", "sliding_window"))
 
 

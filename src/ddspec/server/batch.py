@@ -34,7 +34,6 @@ import logging
 import queue
 import time
 
-from ddspec.config import TreeConfig
 from ddspec.engine import Chunk, Engine, Forward
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
@@ -270,20 +269,3 @@ class BatchWorker(EngineWorker):
                 s.policy.plain_only = not drafting
                 s.policy.batch = (rows - s.rows, tokens - s.tokens, draft - s.draft_ms) if len(ready) > 1 else (0, 0.0, 0.0)
 
-
-def batch_drafter_factory(head_spec: str | None, tree: TreeConfig, target):
-    """make_drafter(method, session) for BatchWorker: the draft head loaded once (on the first tree
-    method), a drafter per slot and method bound to that slot's target handle."""
-    from ddspec.methods import make_drafter, resolve_head, tree_config
-
-    head = None
-
-    def build(method: str, session):
-        nonlocal head
-        if tree_config(method, tree) is None:
-            return None
-        if head is None:
-            head = resolve_head(head_spec, target)
-        return make_drafter(method, session, head, tree)
-
-    return build

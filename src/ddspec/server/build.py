@@ -41,9 +41,9 @@ def make_service(target, *, method: str = "auto", head: str | None = None, tree:
         raise DdspecError(f"--method {method} needs a draft head, and {target.info.name} has none: pass --head "
                           "FOLDER or use --method vanilla or lookup")
     if batch > 1:
-        from ddspec.server.batch import BatchWorker, batch_drafter_factory
+        from ddspec.server.batch import BatchWorker
 
-        worker = BatchWorker(target, batch_drafter_factory(head, tree, target), method, batch, max_queue)
+        worker = BatchWorker(target, tree_drafter_factory(target, head, tree), method, batch, max_queue)
     else:
         worker = EngineWorker(Engine(target, reuse_prefix=prefix_reuse), tree_drafter_factory(target, head, tree),
                               method, max_queue)

@@ -191,17 +191,19 @@ def kept_drafter(drafters: dict, method: str, build, keep: str):
 
 
 def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
-    """make_drafter(method) for EngineWorker: loads the draft head once, on the first tree method."""
+    """make_drafter(method[, handle]) for EngineWorker and BatchWorker: loads the draft head once, on the
+    first tree method; a BatchWorker builds each slot's drafters on that slot's target handle."""
     from ddspec.methods import make_drafter, resolve_head, tree_config
 
     head = None
 
-    def build(method: str):
+    def build(method: str, handle=None):
+        """handle: the target handle the drafter serves (a batch slot's session; default the target)."""
         nonlocal head
         if tree_config(method, tree) is None:
             return None
         if head is None:
             head = resolve_head(head_spec, target)
-        return make_drafter(method, target, head, tree)
+        return make_drafter(method, target if handle is None else handle, head, tree)
 
     return build
