@@ -158,15 +158,16 @@ def test_tiny_pipeline_on_another_family(tmp_path, family):
     assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
 
 
+@pytest.mark.parametrize("sessions", [False, True])
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
-def test_training_data_generation_keeps_the_windows(family_targets, family):
+def test_training_data_generation_keeps_the_windows(family_targets, family, sessions):
     """The batched generator of training data (left-padded rows, a shared cache) answers as plain
     decoding does past the window, and its features are a full forward's."""
     from ddspec.train.generate import check_features_match, generate_batch
 
     target = family_targets[(family, "native")]
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34]]
-    results = generate_batch(target, prompts, 14, rows=2, max_prompt=10)
+    results = generate_batch(target, prompts, 14, rows=2, max_prompt=10, sessions=sessions)
     for p, (resp, feats, _) in zip(prompts, results):
         assert resp == Engine(target).generate(p, StopConfig(max_new_tokens=14)).token_ids
         assert check_features_match(target, feats, torch.tensor(p + resp)) < 1e-4

@@ -229,17 +229,19 @@ def test_balanced_mix_caps_and_interleaves():
     assert 3 <= sum(r.source == "roleplay" for r in first_half) <= 7  # interleaved, not appended
 
 
-@pytest.mark.parametrize("rows,prefill_tokens", [(2, 4096), (4, 6)])
-def test_generated_features_match_a_full_forward(tiny_targets, monkeypatch, rows, prefill_tokens):
+@pytest.mark.parametrize("rows,prefill_tokens,sessions", [(2, 4096, False), (4, 6, False), (2, 4096, True),
+                                                             (4, 4096, True)])
+def test_generated_features_match_a_full_forward(tiny_targets, monkeypatch, rows, prefill_tokens, sessions):
     from ddspec.train import generate
     from ddspec.train.generate import check_features_match, generate_batch
 
     target = tiny_targets[("llama", "native")]
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20], [30, 31], [40, 41, 42, 43, 44, 45], [50, 51, 52, 53]]
     # 2 rows for 6 prompts: rows are refilled; capacity 2 * (6 + 12) slots: the cache shifts.
-    # 4 rows with at most 6 padded prompt tokens per prefill: new prompts prefill in several groups
+    # 4 rows with at most 6 padded prompt tokens per prefill: new prompts prefill in several groups.
+    # sessions: each row a session of its own, the steps through forward_many (the C kernels' path)
     monkeypatch.setattr(generate, "PREFILL_TOKENS", prefill_tokens)
-    results = generate_batch(target, prompts, 12, rows=rows, max_prompt=6, capture=(0, 1))
+    results = generate_batch(target, prompts, 12, rows=rows, max_prompt=6, capture=(0, 1), sessions=sessions)
     from ddspec.config import StopConfig
     from ddspec.engine import Engine
 

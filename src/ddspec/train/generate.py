@@ -252,6 +252,68 @@ class ContinuousBatcher:
                     states[i].append(st_rows[r])
 
 
+class SessionBatcher:
+    """Greedy (or sampled) decoding of many prompts, each row a session of the target with a KV cache
+    of its own (:meth:`NativeLlama.session`), every step one :meth:`NativeLlama.forward_many` over
+    the live rows: the decoder layers run as one C call for all of them, in the mode (fp32 or int8)
+    the engine decodes in, so each row's tokens and features are its own plain decoding's, bit for
+    bit. Finished rows are refilled with the next prompts, each prefilled on its own.
+
+    On the C kernels this is several times faster than :class:`ContinuousBatcher`'s torch layers (the
+    same 16 rows of Qwen2.5-Coder-0.5B Q4_K_M in int8: 305 against about 70 tokens/s decoding, AMD
+    EPYC family 25 model 17, 2 cores); that one serves targets whose layers do not run on the kernels.
+    """
+
+    def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
+                 temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = (), fuse: bool = False) -> None:
+        self.target, self.rows, self.max_new = target, rows, max_new
+        self.temperature, self.capture, self.fuse = temperature, tuple(capture), fuse
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        self.room = max_prompt + max_new
+        self.eos = set(target.info.eos_token_ids)
+
+    _keep = ContinuousBatcher._keep
+    _pick = ContinuousBatcher._pick
+
+    def _states(self, out) -> torch.Tensor | None:
+        if not self.capture:
+            return None
+        return self._keep(torch.cat([out.hidden_states[i] for i in self.capture], dim=-1))
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]]):
+        """As :meth:`ContinuousBatcher.run`: yield (prompt index, response ids, features [P + R - 1, H],
+        captured states [P + R - 1, n * H] fp16 or None) as answers finish."""
+        t = self.target
+        queue = list(range(len(prompts)))[::-1]
+        free = [t.session() for _ in range(min(self.rows, len(prompts)))]
+        live: list[list] = []  # [session, prompt index, response ids, feature rows, state rows]
+        while queue or live:
+            while free and queue:
+                s, i = free.pop(), queue.pop()
+                ids = prompts[i]
+                s.reset(max(self.room, len(ids) + self.max_new))
+                out = s.forward(torch.tensor(ids), torch.arange(len(ids)), None, self.capture, True)
+                first = int(self._pick(out.logits[-1:])[0])
+                live.append([s, i, [first], [out.features.float()], [self._states(out)]])
+            done = [row for row in live if row[2][-1] in self.eos or len(row[2]) >= self.max_new]
+            for row in done:
+                s, i, resp, feats, states = row
+                live.remove(row)
+                free.append(s)
+                yield i, resp, torch.cat(feats), (torch.cat(states) if self.capture else None)
+            if done or not live:
+                continue  # refill before stepping
+            calls = [(s, torch.tensor(resp[-1:]), torch.tensor([s.cache_length]), None, self.capture, False)
+                     for s, _, resp, _, _ in live]
+            outs = t.forward_many(calls)
+            picks = self._pick(torch.cat([o.logits for o in outs])).tolist()
+            for row, o, tok in zip(live, outs, picks):
+                row[2].append(tok)
+                row[3].append(o.features.float())
+                row[4].append(self._states(o))
+
+
 def sample_rows(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``logits`` [R, V] from softmax(logits / temperature), by inverting
     the cumulative distribution at a seeded uniform draw. ``torch.multinomial`` takes ~37 ms for
@@ -270,13 +332,17 @@ def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def generate_batch(target: NativeLlama, prompts: list[list[int]], max_new: int, rows: int = 16,
                    max_prompt: int | None = None, temperature: float = 0.0, seed: int = 0,
-                   capture: tuple[int, ...] = (), fuse: bool = False
+                   capture: tuple[int, ...] = (), fuse: bool = False, sessions: bool | None = None
                    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
     """Answers to all ``prompts`` (greedy, or sampled at ``temperature`` > 0): (response ids,
     features of prompt + response[:-1], the ``capture`` layers' input states there or None;
-    normalised as a fused head reads them with ``fuse``)."""
-    batcher = ContinuousBatcher(target, rows, max_prompt or max(len(p) for p in prompts), max_new,
-                                temperature=temperature, seed=seed, capture=capture, fuse=fuse)
+    normalised as a fused head reads them with ``fuse``). ``sessions``: decode with
+    :class:`SessionBatcher` (True) or :class:`ContinuousBatcher` (False); None: the first where the
+    target's layers run on the C kernels."""
+    kind = (SessionBatcher if target.native_layers else ContinuousBatcher) if sessions is None else (
+        SessionBatcher if sessions else ContinuousBatcher)
+    batcher = kind(target, rows, max_prompt or max(len(p) for p in prompts), max_new,
+                   temperature=temperature, seed=seed, capture=capture, fuse=fuse)
     results: dict[int, tuple[list[int], torch.Tensor, torch.Tensor | None]] = {}
     for i, ids, f, st in batcher.run(prompts):
         results[i] = (ids, f, st)
