@@ -90,3 +90,29 @@ def test_a_bad_server_path_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert find_server() is None
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_llama_cpps_speculation_arms(fake_server, tmp_path, tiny_targets):
+    """llama.cpp@draft starts llama-server with the draft model (-md), llama.cpp@ngram with its n-gram
+    lookup; the method names are checked before any model loads."""
+    from ddspec.bench.runner import llama_cpp_arm, parse_methods
+    from ddspec.config import SamplingConfig, TreeConfig
+
+    gguf, draft = tmp_path / "m.gguf", tmp_path / "d.gguf"
+    for f in (gguf, draft):
+        f.write_bytes(b"GGUF")
+    with_draft = TreeConfig(draft_model=str(draft))
+    assert parse_methods("vanilla,llama.cpp,llama.cpp@ngram,llama.cpp@draft", with_draft)[1:] == [
+        "llama.cpp", "llama.cpp@ngram", "llama.cpp@draft"]
+    with pytest.raises(DdspecError, match="--draft-model"):
+        parse_methods("llama.cpp@draft")
+    with pytest.raises(DdspecError, match="unknown method"):
+        parse_methods("llama.cpp@lookahead")
+    target = tiny_targets[("llama", "native")]
+    for mode, flags in (("draft", ["-md", str(draft)]), ("ngram", ["--spec-type", "ngram-simple"])):
+        arm = llama_cpp_arm(target, str(gguf), SamplingConfig(), 2, str(fake_server), mode, str(draft))
+        try:
+            args = arm.proc.args
+            assert args[-len(flags):] == flags and arm.generate([1, 2], 3).output_ids == [100, 101, 102]
+        finally:
+            arm.close()

@@ -8,6 +8,7 @@ into another (tests/test_import_direction.py checks that the package has no impo
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
 from ddspec.errors import ConfigError, DdspecError
@@ -101,6 +102,11 @@ def add_tree_args(p: argparse.ArgumentParser):
     g.add_argument("--head", default=None,
                    help="EAGLE-1/2 head folder (default: the head shipped for the model, if any); "
                         "'random' or 'random:SEED' uses an untrained head (testing only)")
+    g.add_argument("--draft-model", default=None, metavar="FILE",
+                   help="draft with this smaller model of the target's tokenizer (a .gguf file or a model folder) "
+                        "instead of a head: method chain = classic speculative decoding (its greedy "
+                        "continuation, --depth tokens), eagle2 / ddd = trees of its top-k; e.g. "
+                        "Qwen2.5-Coder-0.5B for the 1.5B. Never changes the output")
     g.add_argument("--tree-top-k", type=int, default=d.top_k,
                    help=f"children per expanded node and beam width of dynamic trees (default {d.top_k})")
     g.add_argument("--depth", type=int, default=d.depth,
@@ -143,7 +149,18 @@ def tree_from_args(args: argparse.Namespace) -> TreeConfig:
                       ddd_threshold=args.ddd_threshold, ddd_check_depths=tuple(args.ddd_check_depths),
                       max_depth=args.max_depth, draft_temperature=getattr(args, "draft_temperature", None),
                       context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab),
-                      ngram_table=getattr(args, "ngram_table", TreeConfig().ngram_table))
+                      ngram_table=getattr(args, "ngram_table", TreeConfig().ngram_table),
+                      draft_model=_draft_model(getattr(args, "draft_model", None)))
+
+
+def _draft_model(spec: str | None) -> str | None:
+    """--draft-model, checked before any model loads: a file or folder that exists."""
+    if spec is None:
+        return None
+    if not Path(spec).exists():
+        raise DdspecError(f"--draft-model {spec}: no such file or folder (give a .gguf file or a model folder of "
+                          "the target's tokenizer)")
+    return str(spec)
 
 
 def setup_torch(args: argparse.Namespace) -> None:

@@ -21,7 +21,7 @@ def build_engine(args: argparse.Namespace, notices: list[str]) -> Engine:
     from ddspec.methods import default_method, make_drafter
 
     target = target_from_args(args)
-    method = default_method(target, args.head) if args.method == "auto" else args.method
+    method = default_method(target, args.head, tree.draft_model) if args.method == "auto" else args.method
     engine = Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling)
     engine.method = method
     return engine

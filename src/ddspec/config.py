@@ -102,6 +102,9 @@ class TreeConfig:
     # answers as an n-gram table (draft/ngram_table.py): "auto" = the one shipped for the target, if
     # any; "none" = off; or a file written by `ddspec ngrams`
     ngram_table: str = "auto"
+    # a smaller model of the target's tokenizer (a .gguf file or a model folder) that drafts the chain or
+    # dynamic tree instead of a draft head (draft/model.py); None = a head
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.shape not in TREE_SHAPES:

@@ -36,12 +36,14 @@ SHAPES = {"chain": "chain", "eagle": "static", "eagle2": "dynamic", "ddd": "dyna
           "lookup": "chain"}
 POLICIES = {"ddd": "ddd", "ddspec": "cost"}
 HEADS_DIR = Path(__file__).parent / "heads"
+DRAFT_MODEL_METHOD = "chain"  # what --method auto runs with --draft-model and no head
 # the heads shipped with ddspec, by target name
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
 
 
 _SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
-                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?(?:c(?P<context_vocab>\d+))?(?:g(?P<ngram_table>[01]))?")
+                    r"(?:t(?P<draft_temperature>\d+(?:\.\d+)?))?(?:c(?P<context_vocab>\d+))?(?:g(?P<ngram_table>[01]))?"
+                    r"(?P<draft_model>m)?")
 
 
 def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
@@ -55,12 +57,16 @@ def split_method(spec: str) -> tuple[str, dict[str, int | float]]:
     m = _SIZED.fullmatch(sizes)
     if method == "vanilla" or not sizes or m is None:
         raise ConfigError(f"bad method {spec!r}: sizes go after a tree method as @d<depth>k<top_k>n<total_tokens>"
-                          "t<draft temperature>c<context vocab>g<0|1: n-gram table>, any of them in that order, "
-                          "e.g. eagle2@d3k4n8, eagle2@t1, eagle2@c0 or lookup@g0")
+                          "t<draft temperature>c<context vocab>g<0|1: n-gram table>m<draft with --draft-model>, any of "
+                          "them in that order, e.g. eagle2@d3k4n8, eagle2@t1, eagle2@c0, lookup@g0 or chain@d4m")
     sizes = {k: float(v) if k == "draft_temperature" else int(v)
-             for k, v in m.groupdict().items() if v is not None and k != "ngram_table"}
+             for k, v in m.groupdict().items() if v is not None and k not in ("ngram_table", "draft_model")}
     if m["ngram_table"] == "0":
         sizes["ngram_table"] = "none"
+    if m["draft_model"]:
+        if method in HEADLESS or method == "eagle":
+            raise ConfigError(f"bad method {spec!r}: m (draft with --draft-model) goes after chain, eagle2 or ddd")
+        sizes["draft_model"] = True
     return method, sizes
 
 
@@ -75,7 +81,19 @@ def tree_config(method: str, base: TreeConfig = TreeConfig()) -> TreeConfig | No
     method, sizes = split_method(method)
     if method == "vanilla":
         return None
+    if sizes.pop("draft_model", False) and base.draft_model is None:
+        raise ConfigError(f"method {method}@...m drafts with a draft model: give it with --draft-model FILE")
     return replace(base, shape=SHAPES[method], depth_policy=POLICIES.get(method, "fixed"), **sizes)
+
+
+def uses_draft_model(method: str, target, head_spec, tree: TreeConfig) -> bool:
+    """Whether ``method`` drafts with --draft-model (``tree.draft_model``) rather than a head: when its
+    name asks for it (``chain@d4m``), or when there is a draft model and no head (none given, none
+    shipped for the target)."""
+    name, sizes = split_method(method)
+    if tree.draft_model is None or name in HEADLESS:
+        return False
+    return bool(sizes.get("draft_model")) or (head_spec is None and shipped_head(target.info.name) is None)
 
 
 def shipped_head(target_name: str) -> Path | None:
@@ -121,6 +139,10 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
         depth = sizes.get("depth")  # lookup@d<depth>: that length for every chain
         return LookupDrafter(depth or DEPTH, max_position=target.info.max_position, copy_depth=depth,
                              table=resolve_table(cfg.ngram_table, target))
+    if uses_draft_model(method, target, head, base):  # a smaller model of the same tokenizer drafts
+        from ddspec.draft.model import DraftModelDrafter, load_draft_model
+
+        return DraftModelDrafter(load_draft_model(cfg.draft_model, target), target, cfg)
     if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":
@@ -202,7 +224,7 @@ def remember_policy(policy, store, others, calibrated: str) -> None:
     atexit.register(lambda: policy.steps_seen and save(policy.snapshot()))
 
 
-def default_method(target, head_spec: str | None) -> str:
+def default_method(target, head_spec: str | None, draft_model: str | None = None) -> str:
     """What --method auto runs: ``ddspec`` when there is a draft head (given, or shipped for this
     target), ``lookup`` (prompt lookup, no head) otherwise.
 
@@ -216,4 +238,6 @@ def default_method(target, head_spec: str | None) -> str:
     """
     if head_spec is not None or shipped_head(target.info.name) is not None:
         return "ddspec"
+    if draft_model is not None:  # --draft-model without a head: its trees (sizes: TreeConfig's, or METHOD@...)
+        return DRAFT_MODEL_METHOD
     return "lookup"

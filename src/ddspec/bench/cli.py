@@ -41,7 +41,10 @@ def add_parser(sub) -> None:
     g.add_argument("--methods", default=",".join(method_names()),
                    help="comma-separated methods to compare (default: all, %(default)s). A tree method may "
                         "carry its own sizes, e.g. eagle2@d3k4n8 (depth 3, top_k 4, 8 tokens): the "
-                        "form `ddspec tune` prints for its best static setting")
+                        "form `ddspec tune` prints for its best static setting; with --draft-model, a trailing m "
+                        "(chain@d4m, eagle2@d3k2n8m) drafts with that model instead of the head. "
+                        "llama.cpp@draft / llama.cpp@ngram: llama-server's own draft-model speculation (with "
+                        "--draft-model) / n-gram lookup")
     g.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts of each file")
     g.add_argument("--max-turns", type=int, default=None, metavar="T",
                    help="answer only the first T turns of multi-turn prompts (default: all turns)")
@@ -159,10 +162,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     # 1. Everything that can be checked before loading a model.
     _check_args(args)
-    methods = parse_methods(args.methods)
+    tree = tree_from_args(args)
+    methods = parse_methods(args.methods, tree)
     sampling = sampling_from_args(args)
     StopConfig(max_new_tokens=args.max_new_tokens)
-    tree = tree_from_args(args)
     prompts = load_prompts(args.prompts, args.limit, args.max_turns)
     out = Path(args.out or f"{DEFAULT_OUT}/{datetime.now():%Y%m%d-%H%M%S}")
     args.out = str(out)  # shown in the summary's command line

@@ -47,14 +47,16 @@ class LlamaServerArm:
     (``ddspec bench-serve``'s)."""
 
     def __init__(self, binary: Path, gguf: Path, eos_ids: tuple[int, ...], max_position: int, threads: int,
-                 start_timeout: float = 120.0, slots: int = 1) -> None:
+                 start_timeout: float = 120.0, slots: int = 1, extra_args: tuple[str, ...] = ()) -> None:
+        """extra_args: more llama-server flags (its speculative decoding: ``-md DRAFT.gguf``, ``--spec-type
+        ngram-simple``; see :data:`ddspec.bench.runner.LLAMA_CPP_MODES`)."""
         self.eos_ids, self.max_position = set(eos_ids), max_position
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = min(max_position, 8192)
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx * slots),
-             "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"],
+             "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         atexit.register(self.close)  # never leave a server behind, whatever ends the bench
         deadline = time.monotonic() + start_timeout

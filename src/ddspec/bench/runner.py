@@ -57,6 +57,10 @@ if TYPE_CHECKING:  # the engine (and torch) load when a run starts, not when the
 # HF arms: name -> extra keyword arguments of `model.generate`
 HF_ARMS: dict[str, dict] = {"hf": {}, "hf-lookup": {"prompt_lookup_num_tokens": 10}}
 LLAMA_CPP = "llama.cpp"
+# llama.cpp's own speculative decoding, as llama-server runs it: llama.cpp@draft = its draft-model
+# speculation with --draft-model's GGUF (its default draft lengths); llama.cpp@ngram = its n-gram
+# lookup of the context (--spec-type ngram-simple), the counterpart of ddspec's lookup
+LLAMA_CPP_MODES = ("draft", "ngram")
 WARMUP_TOKENS = 32  # enough for the prefill and several draft/verify steps
 RECORDS_FILE = "records.jsonl"
 SETTINGS_FILE = "run.json"
@@ -67,17 +71,20 @@ def method_names() -> tuple[str, ...]:
     return ("vanilla",) + tuple(HF_ARMS) + (LLAMA_CPP,) + tuple(m for m in METHODS if m != "vanilla")
 
 
-def parse_methods(text: str) -> list[str]:
+def parse_methods(text: str, base: TreeConfig = TreeConfig()) -> list[str]:
     names = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     valid = method_names()
-    unknown = [m for m in names if m.partition("@")[0] not in valid]
+    unknown = [m for m in names if m.partition("@")[0] not in valid
+               or (m.startswith(LLAMA_CPP + "@") and m.partition("@")[2] not in LLAMA_CPP_MODES)]
     if unknown:
         raise DdspecError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in --methods: "
                           f"valid methods are {', '.join(valid)} (a tree method may carry its own sizes, "
-                          "e.g. eagle2@d3k4n8)")
+                          f"e.g. eagle2@d3k4n8; llama.cpp@{' or llama.cpp@'.join(LLAMA_CPP_MODES)}: llama.cpp's speculation)")
     for m in names:
-        if "@" in m:
-            tree_config(m)  # a bad size spec fails here, before any model loads
+        if m == f"{LLAMA_CPP}@draft" and base.draft_model is None:
+            raise DdspecError(f"{m} is llama.cpp's draft-model speculation: give the draft model with --draft-model FILE.gguf")
+        if "@" in m and not m.startswith(LLAMA_CPP):
+            tree_config(m, base)  # a bad size spec fails here, before any model loads
     if not names:
         raise DdspecError(f"--methods is empty: give a comma-separated list of {', '.join(valid)}")
     return names
@@ -210,7 +217,7 @@ def llama_cpp_trial(gguf: Path, threads: int, timeout: float = 300.0) -> str | N
 
 
 def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: int,
-                  llama_server: str | None = None) -> Arm | str:
+                  llama_server: str | None = None, mode: str = "", draft_model: str | None = None) -> Arm | str:
     """The llama.cpp arm, or why it cannot run here (a one-line reason): llama.cpp's own server
     binary when one is found (:mod:`ddspec.bench.llama_server`), else llama-cpp-python."""
     import importlib.util
@@ -227,7 +234,17 @@ def llama_cpp_arm(target, model_spec: str, sampling: SamplingConfig, threads: in
     server = find_server(llama_server)
     if server is not None:
         print(f"[ddspec] the {LLAMA_CPP} arm runs {server} (its own timings: prefill + decoding)", file=sys.stderr)
-        return LlamaServerArm(server, gguf, target.info.eos_token_ids, target.info.max_position, threads)
+        extra: tuple[str, ...] = ()
+        if mode == "draft":
+            if draft_model is None or Path(draft_model).suffix != ".gguf":
+                return f"llama.cpp's draft-model speculation needs --draft-model FILE.gguf, not {draft_model}"
+            extra = ("-md", str(draft_model))
+        elif mode == "ngram":
+            extra = ("--spec-type", "ngram-simple")
+        return LlamaServerArm(server, gguf, target.info.eos_token_ids, target.info.max_position, threads,
+                              extra_args=extra)
+    if mode:
+        return f"llama.cpp's speculation ({LLAMA_CPP}@{mode}) runs on its server binary: give --llama-server PATH"
     if importlib.util.find_spec("llama_cpp") is None:
         return ("no llama-server binary (--llama-server PATH, see docs/benchmarks.md) and llama-cpp-python is not "
                 f"installed (optional: {LLAMA_CPP_BUILD}, about 10 minutes to build)")
@@ -247,16 +264,17 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
     import sys
 
     from ddspec.engine import Engine
-    from ddspec.methods import make_drafter
+    from ddspec.methods import make_drafter, uses_draft_model
 
     arms: dict[str, Arm] = {}
     hf_model = None
     head = None  # loaded once, shared by every tree method
     for m in methods:
-        if m == LLAMA_CPP:
-            arm = llama_cpp_arm(target, model_spec, sampling, threads, llama_server)
+        if m.partition("@")[0] == LLAMA_CPP:
+            arm = llama_cpp_arm(target, model_spec, sampling, threads, llama_server, m.partition("@")[2],
+                                tree.draft_model)
             if isinstance(arm, str):
-                print(f"[ddspec] skipping the {LLAMA_CPP} arm: {arm}", file=sys.stderr)
+                print(f"[ddspec] skipping the {m} arm: {arm}", file=sys.stderr)
             else:
                 arms[m] = arm
             continue
@@ -265,7 +283,7 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
             arms[m] = HFArm(hf_model, target.info.eos_token_ids, target.info.max_position, sampling, HF_ARMS[m])
             continue
         try:
-            if split_method(m)[0] not in HEADLESS and head is None:
+            if split_method(m)[0] not in HEADLESS and head is None and not uses_draft_model(m, target, head_spec, tree):
                 from ddspec.methods import resolve_head
 
                 head = resolve_head(head_spec, target)

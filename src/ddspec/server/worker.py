@@ -193,7 +193,7 @@ def kept_drafter(drafters: dict, method: str, build, keep: str):
 def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
     """make_drafter(method[, handle]) for EngineWorker and BatchWorker: loads the draft head once, on the
     first tree method; a BatchWorker builds each slot's drafters on that slot's target handle."""
-    from ddspec.methods import make_drafter, resolve_head, tree_config
+    from ddspec.methods import make_drafter, resolve_head, tree_config, uses_draft_model
 
     head = None
 
@@ -202,7 +202,7 @@ def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
         nonlocal head
         if tree_config(method, tree) is None:
             return None
-        if head is None:
+        if head is None and not uses_draft_model(method, target, head_spec, tree):
             head = resolve_head(head_spec, target)
         return make_drafter(method, target if handle is None else handle, head, tree)
 

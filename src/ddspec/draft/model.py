@@ -1,0 +1,197 @@
+"""A smaller model of the same tokenizer as the drafter: classic speculative decoding and its trees.
+
+Speculative decoding began with a draft *model* (Leviathan et al. 2023, Chen et al. 2023): a small
+model of the same vocabulary guesses the next tokens, the target verifies them in one forward.
+Trees of its top-k guesses (SpecInfer, Sequoia) verify several continuations at once. Here the
+draft model grows the same trees as a draft head (docs/design.md §2): ``chain`` drafts its greedy
+continuation ``depth`` tokens deep (classic speculative decoding), ``eagle2`` the EAGLE-2 tree of its
+top-k (``top_k`` children per expanded node, ``total_tokens`` verified), ``ddd`` that tree with
+Dynamic Depth Decoding's stopping rule. Lossless like every method: the target verifies.
+
+State between steps: the draft model's KV cache holds the committed tokens up to the current
+root, or fewer (a chain's accepted drafts are kept; the rest are fed again at the next step, in one
+forward with the new root: a *catch-up*). Tree nodes are written after the committed entries and
+attend to them and to their drafted ancestors; they are dropped when the step ends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddspec.config import TreeConfig
+from ddspec.draft.base import Drafter
+from ddspec.errors import ConfigError, DdspecError
+from ddspec.models.base import TargetOutput
+from ddspec.tree import DraftTree, make_depth_policy
+from ddspec.tree.host import HostCandidates
+from ddspec.verify import Verdict
+
+
+def check_same_vocabulary(target, draft) -> None:
+    """Refuse a draft model whose token ids mean other strings than the target's: its drafts would be
+    verified as other tokens (lossless still, but never accepted). Compares the two tokenizers'
+    vocabularies (token -> id); the models' output sizes may differ (padded rows)."""
+    name_t, name_d = target.info.name, draft.info.name
+    vt = target.tokenizer.get_vocab() if hasattr(target.tokenizer, "get_vocab") else None
+    vd = draft.tokenizer.get_vocab() if hasattr(draft.tokenizer, "get_vocab") else None
+    if vt is None or vd is None:
+        raise DdspecError(f"cannot compare the tokenizers of {name_t} and the draft model {name_d}")
+    if vt != vd:
+        differ = len(set(vt.items()) ^ set(vd.items()))
+        raise DdspecError(f"the draft model {name_d} has another tokenizer than the target {name_t} ({len(vd)} against "
+                          f"{len(vt)} tokens, {differ} entries differ): a draft model must share the target's "
+                          "vocabulary; pass one of the target's family (e.g. a smaller size of it), or draft with a head")
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, draft, target, tree: TreeConfig) -> None:
+        """draft: a target-like model (TargetModel: its own KV cache, e.g. ``NativeLlama.session()``)
+        sharing the target's tokenizer. tree: shape chain or dynamic, depth policy fixed or ddd."""
+        if tree.shape == "static":
+            raise ConfigError("a draft model grows chains (method chain) and dynamic trees (eagle2, ddd), not "
+                              "EAGLE-1's static tree (method eagle)")
+        if tree.depth_policy == "cost":
+            raise ConfigError("the cost-aware method (ddspec) drafts with a head; with a draft model use chain, "
+                              "eagle2 or ddd (sizes as METHOD@d<depth>k<top_k>n<total_tokens>)")
+        check_same_vocabulary(target, draft)
+        self.draft, self.target, self.cfg = draft, target, tree
+        self.policy = make_depth_policy(tree)
+        self.device = draft.device
+        self.vocab = min(target.info.vocab_size, draft.info.vocab_size)  # rows past it are padding
+        self.tokens: list[int] = []  # committed tokens by position, then the current root
+        self._kept = 0  # draft-cache entries that hold committed tokens (the rest are fed again)
+        self._levels = 0
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def max_tree_size(self) -> int:
+        return self.cfg.depth + 1 if self.cfg.shape == "chain" else self.cfg.total_tokens
+
+    def _max_slots(self) -> int:
+        if self.cfg.shape == "chain":
+            return self.cfg.depth
+        depth = self.cfg.depth if self.cfg.depth_policy == "fixed" else self.cfg.max_depth
+        return depth * self.cfg.top_k
+
+    # -- the Drafter protocol ------------------------------------------------------------
+    def reset(self, max_length: int) -> None:
+        self.draft.reset(max_length + self._max_slots() + 1)
+        self.tokens, self._kept = [], 0
+
+    def resume(self, max_length: int, length: int) -> None:
+        self.draft.reserve(max_length + self._max_slots() + 1)
+        self.tokens = self.tokens[:length]
+        self._kept = min(self._kept, length)
+        self.draft.truncate(self._kept)
+
+    def prefill(self, prompt: torch.Tensor, target_out: TargetOutput, root: torch.Tensor) -> None:
+        self.tokens += prompt.tolist() + [int(root)]  # the draft model reads them at its first proposal
+
+    def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
+        path = verdict.path.tolist()
+        position = len(self.tokens) - 1  # the root's
+        if self.cfg.shape == "chain":  # the drafted entries of a chain are its accepted path, as far as it is
+            self._kept = min(self.draft.cache_length, position + len(path))
+        else:
+            self._kept = min(self._kept, position + 1)
+        self.draft.truncate(self._kept)
+        self.tokens += tree.tokens[path[1:]].tolist() + [int(verdict.bonus)]
+
+    # -- drafting ------------------------------------------------------------------------
+    def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits[..., : self.vocab].float(), dim=-1)
+
+    @torch.inference_mode()
+    def _catch_up(self, position: int) -> torch.Tensor:
+        """Feed the committed tokens the draft cache lacks and the root; the root's log-probs [V]."""
+        start = self._kept
+        new = torch.tensor(self.tokens[start: position + 1], dtype=torch.int64)
+        out = self.draft.forward(new.to(self.device), torch.arange(start, position + 1, device=self.device),
+                                 last_logits=True)
+        self._kept = position + 1
+        return self._logprobs(out.logits[-1])
+
+    def propose(self, root: torch.Tensor, position: int) -> DraftTree:
+        assert len(self.tokens) == position + 1 and int(root) == self.tokens[-1], "draft model out of step"
+        room = min(self.target.info.max_position, self.draft.info.max_position) - 1 - position
+        if room < 1:
+            return DraftTree.root_only(root)
+        first = self._catch_up(position)
+        if self.cfg.shape == "chain":
+            return self._chain(int(root), position, first, min(self.cfg.depth, room))
+        return self._tree(int(root), position, first, room)
+
+    @torch.inference_mode()
+    def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int) -> DraftTree:
+        """The draft model's greedy continuation, ``depth`` tokens (its cache keeps all but the last)."""
+        drafts, scores, total = [], [], 0.0
+        for level in range(depth):
+            tok = int(logprobs.argmax())
+            total += float(logprobs[tok])
+            drafts.append(tok)
+            scores.append(total)
+            if level + 1 < depth:
+                pos = position + level + 1
+                out = self.draft.forward(torch.tensor([tok], device=self.device), torch.tensor([pos], device=self.device),
+                                         last_logits=True)
+                logprobs = self._logprobs(out.logits[-1])
+        self._levels = depth
+        n = len(drafts) + 1
+        return DraftTree.from_host([root] + drafts, list(range(-1, n - 1)), list(range(n)), [0.0] + scores,
+                                   root_device(self.device))
+
+    @torch.inference_mode()
+    def _tree(self, root: int, position: int, logprobs: torch.Tensor, room: int) -> DraftTree:
+        """EAGLE-2's dynamic tree from the draft model's top-k (tree/host.py), with the depth policy."""
+        k = self.cfg.top_k
+        values, ids = logprobs.topk(k)
+        candidates = HostCandidates(ids.tolist(), values.tolist())
+        frontier = list(range(candidates.size))
+        committed = position + 1
+        slot_of: dict[int, int] = {}  # candidate -> its draft-cache slot (after the committed entries)
+        ancestors: list[list[int]] = []  # per slot: the slots it attends to (its ancestors and itself)
+        level = 1
+        while level < room and self.policy.continue_after(level, [candidates.scores[f] for f in frontier]):
+            n, base = len(frontier), len(ancestors)
+            for j, c in enumerate(frontier):
+                parent = candidates.parents[c]
+                ancestors.append((ancestors[slot_of[parent]] if parent >= 0 else []) + [base + j])
+                slot_of[c] = base + j
+            mask = torch.zeros(n, committed + base + n, dtype=torch.bool)
+            mask[:, :committed] = True
+            for j in range(n):
+                mask[j, [committed + s for s in ancestors[base + j]]] = True
+            tokens = torch.tensor([candidates.tokens[c] for c in frontier], device=self.device)
+            positions = torch.full((n,), position + level, device=self.device)
+            out = self.draft.forward(tokens, positions, mask.to(self.device))
+            values, ids = self._logprobs(out.logits).topk(k, dim=-1)
+            frontier = candidates.expand(frontier, values.tolist(), ids.tolist(), k)
+            level += 1
+        self._levels = level
+        self.draft.truncate(committed)  # the tree's entries go; the root's stays
+        tree, _ = candidates.tree(root, self.cfg.total_tokens, None, None, room, root_device(self.device))
+        return tree
+
+
+def root_device(device: torch.device) -> torch.device | None:
+    """Where a drafted tree lives: beside the target on a GPU, host tensors on a CPU."""
+    return device if device.type != "cpu" else None
+
+
+_LOADED: dict[tuple, object] = {}
+
+
+def load_draft_model(spec: str, target):
+    """The draft model named by --draft-model (a .gguf file or a model folder), loaded once per process
+    in the target's implementation, device, dtype and activations; each drafter gets a session of it
+    (its own KV cache, the weights shared) where the implementation has sessions."""
+    from ddspec.models.loading import load_target
+
+    activations = getattr(target, "activations", "fp32")
+    impl = "native" if hasattr(target, "session") else "auto"
+    key = (str(spec), impl, str(target.device), target.dtype, activations)
+    if key not in _LOADED:
+        _LOADED[key] = load_target(str(spec), impl=impl, device=str(target.device), dtype=target.dtype,
+                                   activations=activations)
+    model = _LOADED[key]
+    return model.session() if hasattr(model, "session") else model

@@ -1,0 +1,124 @@
+"""A draft model as the drafter (--draft-model): chains and trees of a smaller same-tokenizer model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddspec.config import SamplingConfig, StopConfig, TreeConfig
+from ddspec.draft.model import DraftModelDrafter
+from ddspec.engine import Engine
+from ddspec.errors import ConfigError, DdspecError
+from ddspec.methods import default_method, make_drafter, split_method, tree_config, uses_draft_model
+
+PROMPTS = [[5, 17, 33, 8, 90, 5, 17], [7, 3, 60, 2], [12, 40, 41, 42, 43, 12, 40, 41, 100, 3, 64]]
+METHODS = ["chain@d3m", "chain@d1m", "eagle2@d3k3n8m", "eagle2@d4k2n12m", "ddd@k3n10m"]
+# tokens accepted per drafted step, at least, when the target drafts for itself (its drafts are its answer)
+SELF_ACCEPTED = {"chain@d3m": 2.5, "chain@d1m": 0.9, "eagle2@d3k3n8m": 2.0, "eagle2@d4k2n12m": 2.5, "ddd@k3n10m": 1.5}
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A smaller model of the tiny tokenizer (one layer, narrower): another model, as a real pair is."""
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("draft") / "d", "llama", seed=7, layers=1, hidden=32)
+
+
+def _drafter(method: str, target, draft_spec) -> DraftModelDrafter:
+    d = make_drafter(method, target, None, TreeConfig(draft_model=str(draft_spec)))
+    assert isinstance(d, DraftModelDrafter)
+    return d
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("family, impl", [("llama", "native"), ("qwen2", "hf")])
+def test_a_draft_model_is_lossless(tiny_targets, tiny_dirs, draft_dir, family, impl, method):
+    """Greedy output equals plain decoding for another model drafting and for the target drafting for
+    itself; with itself as the draft model nearly every draft is accepted."""
+    target = tiny_targets[(family, impl)]
+    stop = StopConfig(max_new_tokens=30, stop_on_eos=False)
+    for draft in (draft_dir, tiny_dirs[family]):
+        accepted = drafted = 0
+        for prompt in PROMPTS:
+            ref = Engine(target).generate(prompt, stop).token_ids
+            res = Engine(target, _drafter(method, target, draft)).generate(prompt, stop)
+            assert res.token_ids == ref
+            accepted += sum(s.accepted for s in res.stats.steps)
+            drafted += sum(s.tree_size > 1 for s in res.stats.steps)
+        assert drafted > 0
+        if draft == tiny_dirs[family]:  # the target's own weights: its greedy continuation is the answer
+            assert accepted >= SELF_ACCEPTED[method] * drafted
+
+
+def test_a_chain_keeps_its_accepted_entries_and_trees_drop_theirs(tiny_targets, tiny_dirs):
+    """After a step, the draft cache holds committed tokens only: a chain's accepted drafts stay (no
+    recomputation), a tree's nodes go; every later step's catch-up starts where the cache ends."""
+    target = tiny_targets[("llama", "native")]
+    for method in ("chain@d3m", "eagle2@d3k3n8m"):
+        d = _drafter(method, target, tiny_dirs["llama"])
+        engine = Engine(target, d)
+        res = engine.generate(PROMPTS[0], StopConfig(max_new_tokens=12, stop_on_eos=False))
+        committed = len(PROMPTS[0]) + len(res.token_ids) - 1  # the last token is the root, never run
+        assert d.draft.cache_length <= committed and d._kept == d.draft.cache_length
+        if method.startswith("chain"):
+            assert d.draft.cache_length > len(PROMPTS[0])  # accepted drafts were kept
+
+
+def test_sampling_with_a_draft_model_is_reproducible(tiny_targets, draft_dir):
+    target = tiny_targets[("llama", "native")]
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
+    stop = StopConfig(max_new_tokens=24, stop_on_eos=False)
+    ref = Engine(target, None, sampling).generate(PROMPTS[1], stop).token_ids
+    for method in ("chain@d3m", "eagle2@d3k3n8m"):
+        assert Engine(target, _drafter(method, target, draft_dir), sampling).generate(PROMPTS[1], stop).token_ids == ref
+
+
+def test_prefix_reuse_with_a_draft_model(tiny_targets, draft_dir):
+    target = tiny_targets[("llama", "native")]
+    stop = StopConfig(max_new_tokens=16, stop_on_eos=False)
+    engine = Engine(target, _drafter("chain@d3m", target, draft_dir), reuse_prefix=True)
+    first = engine.generate(PROMPTS[2], stop).token_ids
+    follow = PROMPTS[2] + first + [9, 10]  # a next turn: the first exchange is a kept prefix
+    assert engine.generate(follow, stop).token_ids == Engine(target).generate(follow, stop).token_ids
+    assert engine.generate(PROMPTS[0], stop).token_ids == Engine(target).generate(PROMPTS[0], stop).token_ids
+
+
+def test_another_tokenizer_is_refused(tiny_targets, tmp_path):
+    from ddspec.models.tiny import make_tiny_model_dir
+
+    target = tiny_targets[("llama", "native")]
+    other = make_tiny_model_dir(tmp_path / "other", "llama", vocab_size=160)  # more tokens: another vocabulary
+    with pytest.raises(DdspecError, match="another tokenizer"):
+        _drafter("chain@d3m", target, other)
+
+
+def test_method_names_and_defaults(tiny_targets, tiny_dirs):
+    target = tiny_targets[("llama", "native")]
+    assert split_method("chain@d4m") == ("chain", {"depth": 4, "draft_model": True})
+    with pytest.raises(ConfigError, match="--draft-model"):
+        tree_config("chain@d4m")  # m without a draft model
+    for bad in ("lookup@m", "eagle@m"):
+        with pytest.raises(ConfigError):
+            split_method(bad)
+    with pytest.raises(ConfigError, match="head"):
+        _drafter("ddspec", target, tiny_dirs["llama"])  # the cost-aware method drafts with a head
+    tree = TreeConfig(draft_model=str(tiny_dirs["llama"]))
+    # no head for the tiny target: every tree method drafts with the draft model; a given head wins unless m
+    assert uses_draft_model("eagle2", target, None, tree) and not uses_draft_model("lookup", target, None, tree)
+    assert not uses_draft_model("eagle2", target, "random", tree) and uses_draft_model("eagle2@m", target, "random", tree)
+    assert default_method(target, None, tree.draft_model) == "chain" and default_method(target, None) == "lookup"
+
+
+def test_the_cli_drafts_with_a_draft_model(tiny_dirs, draft_dir):
+    from test_cli import run_cli
+
+    common = ["generate", "5 17 33 8 90", "--raw", "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "12"]
+    plain = run_cli(*common, "--method", "vanilla")
+    assert plain.returncode == 0, plain.stderr
+    drafted = run_cli(*common, "--draft-model", str(draft_dir), "--method", "eagle2", "--depth", "3", "--tree-top-k",
+                      "2", "--total-tokens", "6")
+    assert drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and "eagle2" in drafted.stderr
+    missing = run_cli(*common, "--draft-model", str(draft_dir / "missing.gguf"))
+    assert missing.returncode != 0 and "--draft-model" in missing.stderr and "Traceback" not in missing.stderr
