@@ -12,9 +12,10 @@ from ddspec.errors import ConfigError, DdspecError
 from ddspec.methods import default_method, make_drafter, split_method, tree_config, uses_draft_model
 
 PROMPTS = [[5, 17, 33, 8, 90, 5, 17], [7, 3, 60, 2], [12, 40, 41, 42, 43, 12, 40, 41, 100, 3, 64]]
-METHODS = ["chain@d3m", "chain@d1m", "eagle2@d3k3n8m", "eagle2@d4k2n12m", "ddd@k3n10m"]
+METHODS = ["chain@d3m", "chain@d1m", "eagle2@d3k3n8m", "eagle2@d4k2n12m", "ddd@k3n10m", "ddspec@m"]
 # tokens accepted per drafted step, at least, when the target drafts for itself (its drafts are its answer)
-SELF_ACCEPTED = {"chain@d3m": 2.5, "chain@d1m": 0.9, "eagle2@d3k3n8m": 2.0, "eagle2@d4k2n12m": 2.5, "ddd@k3n10m": 1.5}
+SELF_ACCEPTED = {"chain@d3m": 2.5, "chain@d1m": 0.9, "eagle2@d3k3n8m": 2.0, "eagle2@d4k2n12m": 2.5, "ddd@k3n10m": 1.5,
+                 "ddspec@m": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +102,7 @@ def test_method_names_and_defaults(tiny_targets, tiny_dirs):
     for bad in ("lookup@m", "eagle@m"):
         with pytest.raises(ConfigError):
             split_method(bad)
-    with pytest.raises(ConfigError, match="head"):
-        _drafter("ddspec", target, tiny_dirs["llama"])  # the cost-aware method drafts with a head
+    assert _drafter("ddspec", target, tiny_dirs["llama"]).costs is not None  # its chain, priced here
     tree = TreeConfig(draft_model=str(tiny_dirs["llama"]))
     # no head for the tiny target: every tree method drafts with the draft model; a given head wins unless m
     assert uses_draft_model("eagle2", target, None, tree) and not uses_draft_model("lookup", target, None, tree)
@@ -122,3 +122,32 @@ def test_the_cli_drafts_with_a_draft_model(tiny_dirs, draft_dir):
     assert drafted.stdout == plain.stdout and "eagle2" in drafted.stderr
     missing = run_cli(*common, "--draft-model", str(draft_dir / "missing.gguf"))
     assert missing.returncode != 0 and "--draft-model" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_chain_goes_on_while_another_token_pays():
+    """ChainCosts: before any measurement a chain of ``start`` tokens; then token k + 1 is drafted
+    exactly when its reach probability P exceeds c E_k / T_k (E_k expected tokens, T_k = k c + V)."""
+    import math
+
+    from ddspec.draft.model import ChainCosts
+
+    costs = ChainCosts(max_depth=8, start=3)
+    assert [costs.more(0.0, k) for k in range(5)] == [True, True, True, False, False]
+    costs.observe_level(10.0)
+    costs.observe_verify(40.0)
+    # p = 0.9 per token: P_k = 0.9^k; continue while P_{k+1} (40 + 10 k) > 10 E_k
+    taken, e = [], 1.0
+    for k in range(8):
+        p = 0.9 ** (k + 1)
+        want = p * (40 + 10 * k) > 10 * e
+        assert costs.more(math.log(p), k) == want
+        taken.append(want)
+        if not want:
+            break
+        e += p
+    assert taken == [True] * 6 + [False]  # 6 tokens: the 7th, 0.9^7 * 100 = 47.8 < 10 E_6 = 52.2, does not pay
+    dear = ChainCosts(max_depth=8)
+    dear.observe_level(30.0)  # a draft level costing 3/4 of a verification: the first token needs p > 0.75
+    dear.observe_verify(40.0)
+    assert dear.more(math.log(0.8), 0) and not dear.more(math.log(0.7), 0)
+    assert ChainCosts(max_depth=2).more(0.0, 2) is False  # never past the cap

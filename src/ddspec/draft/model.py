@@ -16,6 +16,9 @@ attend to them and to their drafted ancestors; they are dropped when the step en
 
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 
 from ddspec.config import TreeConfig
@@ -50,12 +53,11 @@ class DraftModelDrafter(Drafter):
         if tree.shape == "static":
             raise ConfigError("a draft model grows chains (method chain) and dynamic trees (eagle2, ddd), not "
                               "EAGLE-1's static tree (method eagle)")
-        if tree.depth_policy == "cost":
-            raise ConfigError("the cost-aware method (ddspec) drafts with a head; with a draft model use chain, "
-                              "eagle2 or ddd (sizes as METHOD@d<depth>k<top_k>n<total_tokens>)")
         check_same_vocabulary(target, draft)
         self.draft, self.target, self.cfg = draft, target, tree
-        self.policy = make_depth_policy(tree)
+        # ddspec: a chain as long as it pays, from the costs measured here (ChainCosts); else the tree's policy
+        self.costs = ChainCosts(tree.max_depth) if tree.depth_policy == "cost" else None
+        self.policy = None if self.costs is not None else make_depth_policy(tree)
         self.device = draft.device
         self.vocab = min(target.info.vocab_size, draft.info.vocab_size)  # rows past it are padding
         self.tokens: list[int] = []  # committed tokens by position, then the current root
@@ -65,9 +67,13 @@ class DraftModelDrafter(Drafter):
     # -- sizes ---------------------------------------------------------------------------
     @property
     def max_tree_size(self) -> int:
+        if self.costs is not None:
+            return self.costs.max_depth + 1
         return self.cfg.depth + 1 if self.cfg.shape == "chain" else self.cfg.total_tokens
 
     def _max_slots(self) -> int:
+        if self.costs is not None:
+            return self.costs.max_depth
         if self.cfg.shape == "chain":
             return self.cfg.depth
         depth = self.cfg.depth if self.cfg.depth_policy == "fixed" else self.cfg.max_depth
@@ -117,25 +123,40 @@ class DraftModelDrafter(Drafter):
         if room < 1:
             return DraftTree.root_only(root)
         first = self._catch_up(position)
+        if self.costs is not None:
+            return self._chain(int(root), position, first, min(self.costs.max_depth, room), self.costs)
         if self.cfg.shape == "chain":
             return self._chain(int(root), position, first, min(self.cfg.depth, room))
         return self._tree(int(root), position, first, room)
 
+    def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
+        if self.costs is not None:
+            self.costs.observe_verify(verify_ms + gap_ms)
+
     @torch.inference_mode()
-    def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int) -> DraftTree:
-        """The draft model's greedy continuation, ``depth`` tokens (its cache keeps all but the last)."""
+    def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int,
+               costs: "ChainCosts | None" = None) -> DraftTree:
+        """The draft model's greedy continuation, ``depth`` tokens (its cache keeps all but the last);
+        with ``costs``, only as far as another token pays (ChainCosts.more)."""
         drafts, scores, total = [], [], 0.0
         for level in range(depth):
             tok = int(logprobs.argmax())
+            if costs is not None and not costs.more(total + float(logprobs[tok]), level):
+                break
             total += float(logprobs[tok])
             drafts.append(tok)
             scores.append(total)
             if level + 1 < depth:
                 pos = position + level + 1
+                t0 = time.perf_counter()
                 out = self.draft.forward(torch.tensor([tok], device=self.device), torch.tensor([pos], device=self.device),
                                          last_logits=True)
                 logprobs = self._logprobs(out.logits[-1])
-        self._levels = depth
+                if costs is not None:
+                    costs.observe_level((time.perf_counter() - t0) * 1e3)
+        self._levels = len(drafts)
+        if not drafts:
+            return DraftTree.root_only(root)
         n = len(drafts) + 1
         return DraftTree.from_host([root] + drafts, list(range(-1, n - 1)), list(range(n)), [0.0] + scores,
                                    root_device(self.device))
@@ -171,6 +192,49 @@ class DraftModelDrafter(Drafter):
         self.draft.truncate(committed)  # the tree's entries go; the root's stays
         tree, _ = candidates.tree(root, self.cfg.total_tokens, None, None, room, root_device(self.device))
         return tree
+
+
+class ChainCosts:
+    """When another drafted token pays, from costs measured on this machine (the ddspec method with a
+    draft model): a chain of k drafts is expected to give E_k = 1 + p_1 + p_1 p_2 + ... tokens for
+    T_k = k c + V ms (c: one draft level, V: the verification and the step's other work, both running
+    means of this drafter's own steps), where p_i is the draft model's probability of its i-th token
+    (its confidence). Drafting one more token raises E / T exactly when its chance of being reached and
+    accepted, P = p_1 ... p_k+1, exceeds c E_k / T_k: the chain stops where the draft's confidence
+    falls below what a level costs against what a step yields. Dynamic Depth Decoding's idea for a
+    chain, with the threshold priced by this machine's measured costs instead of a fixed one.
+    Before the first measurements the chain is ``start`` tokens long."""
+
+    def __init__(self, max_depth: int, start: int = 4, weight: float = 0.1) -> None:
+        self.max_depth, self.start, self.weight = max_depth, start, weight
+        self.level_ms: float | None = None  # one draft level
+        self.verify_ms: float | None = None  # the verification forward and the step's other work
+        self._expected, self._steps_ms = 1.0, 0.0
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.weight * (new - old)
+
+    def observe_level(self, ms: float) -> None:
+        self.level_ms = self._mean(self.level_ms, ms)
+
+    def observe_verify(self, ms: float) -> None:
+        self.verify_ms = self._mean(self.verify_ms, ms)
+
+    def more(self, logp: float, level: int) -> bool:
+        """Whether to draft the token at depth ``level + 1`` whose cumulative draft log-prob is ``logp``."""
+        if level == 0:
+            self._expected = 1.0
+        if level >= self.max_depth:
+            return False
+        p = math.exp(logp)
+        if self.level_ms is None or self.verify_ms is None:
+            go = level < self.start
+        else:
+            total_ms = level * self.level_ms + self.verify_ms
+            go = p * total_ms > self.level_ms * self._expected
+        if go:
+            self._expected += p
+        return go
 
 
 def root_device(device: torch.device) -> torch.device | None:
