@@ -36,7 +36,7 @@ def test_shipped_head_is_the_default_and_lossless(default_native, monkeypatch):
     from ddspec.methods import make_drafter, shipped_head
 
     monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "q8_0")  # as users run it (the native default)
-    assert shipped_head(default_native.info.name) is not None
+    assert shipped_head(default_native.info) is not None
     drafter = make_drafter("ddd", default_native, None)  # no --head: the shipped one
     assert hasattr(drafter.head, "d2t") and drafter.head.d2t.numel() == 8192
     stop = StopConfig(max_new_tokens=48)
@@ -64,3 +64,23 @@ def test_the_default_tokenizer_loads_directly_and_equals_autotokenizer(default_n
         auto.apply_chat_template(messages, add_generation_prompt=True)
     assert direct.eos_token_id == auto.eos_token_id and direct.all_special_ids == auto.all_special_ids
     assert direct._tokenizer.to_str() == auto._tokenizer.to_str()
+
+
+def test_a_shipped_head_is_found_by_the_models_published_name(monkeypatch, tmp_path):
+    """A head ships for a model, not for one file: any quantisation whose published name (a GGUF's
+    general.name) starts with the model's name finds it; another size or model does not."""
+    from ddspec import methods
+    from ddspec.models.base import ModelInfo
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    monkeypatch.setitem(methods.SHIPPED_HEADS, "Qwen2.5-Coder-0.5B-Instruct", head)
+
+    def info(name, published):
+        return ModelInfo("qwen2", 10, 8, 1, 64, (0,), name=name, published=published)
+
+    assert methods.shipped_head(info("/m/q.gguf", "Qwen2.5 Coder 0.5B Instruct AWQ")) == head
+    assert methods.shipped_head(info("/m/Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct")) == head
+    assert methods.shipped_head(info("/m/q.gguf", "Qwen2.5 Coder 1.5B Instruct GGUF")) is None
+    assert methods.shipped_head(info("/m/q.gguf", "")) is None

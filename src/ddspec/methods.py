@@ -93,11 +93,25 @@ def uses_draft_model(method: str, target, head_spec, tree: TreeConfig) -> bool:
     name, sizes = split_method(method)
     if tree.draft_model is None or name in HEADLESS:
         return False
-    return bool(sizes.get("draft_model")) or (head_spec is None and shipped_head(target.info.name) is None)
+    return bool(sizes.get("draft_model")) or (head_spec is None and shipped_head(target.info) is None)
 
 
-def shipped_head(target_name: str) -> Path | None:
-    folder = SHIPPED_HEADS.get(target_name)
+def name_key(name: str) -> str:
+    """A model name for matching: lower case, letters and digits only ("Qwen2.5 Coder 0.5B Instruct AWQ"
+    -> "qwen25coder05binstructawq")."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+def shipped_head(info) -> Path | None:
+    """The head ddspec ships for a target (its ModelInfo), or None: found by the target's name, or by
+    its published name (a GGUF's general.name, a config's _name_or_path, the folder's name) starting
+    with a shipped head's model name, so that any quantisation of that model finds it ("Qwen2.5 Coder
+    0.5B Instruct AWQ" -> the Qwen2.5-Coder-0.5B-Instruct head). Loading it checks the shapes."""
+    folder = SHIPPED_HEADS.get(info.name)
+    if folder is None:
+        published = name_key(Path(info.published).name) if info.published else ""
+        folder = next((f for model, f in SHIPPED_HEADS.items() if published and published.startswith(name_key(model))),
+                      None)
     return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
@@ -108,7 +122,7 @@ def resolve_head(spec: str | None, target):
     if spec is not None and spec.startswith("random"):
         seed = int(spec.split(":", 1)[1]) if ":" in spec else 0
         return random_head(target.hf_config, seed=seed).to(target.device, target.dtype).eval().requires_grad_(False)
-    folder = Path(spec) if spec else shipped_head(target.info.name)
+    folder = Path(spec) if spec else shipped_head(target.info)
     if folder is None:
         raise DdspecError(
             f"no draft head for {target.info.name}: pass --head FOLDER (an EAGLE-1/2 or EAGLE-3 head; "
@@ -236,7 +250,7 @@ def default_method(target, head_spec: str | None, draft_model: str | None = None
     without a match is a plain step (`ddspec bench` of 2026-12-01 19:44, AMD EPYC: 1.16x plain
     decoding over 60 first turns; 1.08-1.23x by file).
     """
-    if head_spec is not None or shipped_head(target.info.name) is not None:
+    if head_spec is not None or shipped_head(target.info) is not None:
         return "ddspec"
     if draft_model is not None:  # --draft-model without a head: its trees (sizes: TreeConfig's, or METHOD@...)
         return DRAFT_MODEL_METHOD

@@ -127,7 +127,7 @@ def _meta(args, parser, methods: list[str], target) -> dict:
     from ddspec.draft.ngram_table import table_description
     from ddspec.methods import shipped_head
 
-    head = args.head or shipped_head(target.info.name)
+    head = args.head or shipped_head(target.info)
     decoding = ("greedy" if args.temperature == 0 else
                 f"sampling: temperature {args.temperature}, top-p {args.top_p}, top-k {args.sample_top_k}, "
                 f"seed {args.seed}")

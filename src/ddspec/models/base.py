@@ -33,6 +33,9 @@ class ModelInfo:
     max_position: int  # the context window, in tokens
     eos_token_ids: tuple[int, ...]
     name: str = ""  # where the weights came from, for messages and cache keys
+    # the model's published name where the files carry one (a GGUF's general.name, a config's
+    # _name_or_path), else the folder's name: how ddspec finds the draft head it ships for a model
+    published: str = ""
 
 
 @dataclass(slots=True)

@@ -249,6 +249,7 @@ def model_info(cfg: dict, tokenizer, model_dir: Path, name: str) -> ModelInfo:
         max_position=text.get("max_position_embeddings", 2048),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         name=name,
+        published=str(cfg.get("_model_name_or_path") or cfg.get("_name_or_path") or model_dir.name),
     )
 
 

@@ -34,7 +34,7 @@ def make_service(target, *, method: str = "auto", head: str | None = None, tree:
         raise DdspecError(f"--max-new-tokens must be >= 1, got {max_tokens}")
     if not body_timeout_s > 0:
         raise DdspecError(f"--body-timeout must be > 0 seconds, got {body_timeout_s}")
-    has_head = head is not None or shipped_head(target.info.name) is not None or tree.draft_model is not None
+    has_head = head is not None or shipped_head(target.info) is not None or tree.draft_model is not None
     methods = METHODS if has_head else HEADLESS
     method = default_method(target, head, tree.draft_model) if method == "auto" else method
     if split_method(method)[0] not in methods:

@@ -504,7 +504,7 @@ def _against_head(spec: str, target):
     from ddspec.methods import resolve_head, shipped_head
 
     if spec == "shipped":
-        if shipped_head(target.info.name) is None:
+        if shipped_head(target.info) is None:
             raise DdspecError(f"--against shipped: no head ships for {target.info.name}; give a head folder")
         return resolve_head(None, target)
     if not (Path(spec) / "config.json").is_file():
