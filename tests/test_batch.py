@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddspec.config import SamplingConfig, StopConfig
-from ddspec.engine import Chunk, Engine, Forward
+from ddspec.engine import Chunk, Engine, Forward, Request
 from ddspec.methods import make_drafter
 from test_models import ancestor_mask, random_tree
 from test_spec_engine import eagle
@@ -162,3 +162,23 @@ def test_a_short_request_behind_long_ones_is_not_starved(tiny_dirs):
         for t in threads:
             t.join()
         assert all(done["short"] < done[p] for p in long), done
+
+
+def test_requests_are_values_the_engine_keeps_none_of(tiny_targets):
+    """One engine answers requests of different methods, sampling and prefix reuse one after another:
+    each request's settings come with it, the engine's own defaults stay as they were, and every answer
+    equals the one an engine built for that request alone gives."""
+    target = tiny_targets[("llama", "native")]
+    engine = Engine(target)
+    stop = StopConfig(max_new_tokens=14, stop_on_eos=False)
+    sampling = SamplingConfig(temperature=0.8, seed=2)
+    lookup = make_drafter("lookup", target, None)
+    requests = [Request([5, 6, 7, 5, 6, 7, 5], stop, drafter=lookup, method="lookup"),
+                Request([9, 10, 11], stop, sampling),
+                Request([5, 6, 7, 5, 6, 7, 5, 1], stop, drafter=lookup, method="lookup", reuse_prefix=True)]
+    for req in requests:
+        got = [t for c in engine.stream(req) for t in c.token_ids]
+        alone = Engine(target, make_drafter(req.method, target, None), req.sampling).generate(req.prompt_ids, stop)
+        assert got == alone.token_ids
+    assert (engine.drafter, engine.sampling, engine.method, engine.reuse_prefix) == (None, SamplingConfig(), "vanilla",
+                                                                                      False)

@@ -22,9 +22,8 @@ def build_engine(args: argparse.Namespace, notices: list[str]) -> Engine:
 
     target = target_from_args(args)
     method = default_method(target, args.head, tree.draft_model) if args.method == "auto" else args.method
-    engine = Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling)
-    engine.method = method
-    return engine
+    return Engine(target, make_drafter(method, target, args.head, tree, notify=notices.append), sampling,
+                  method=method)
 
 
 def print_summary(stats: RunStats, method: str = "vanilla", out=None) -> None:

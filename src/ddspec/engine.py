@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -183,6 +183,23 @@ class TextAssembler:
         return delta
 
 
+@dataclass(slots=True)
+class Request:
+    """One generation as a value: what to answer and how. :meth:`Engine.steps` reads it and writes none
+    of it onto the engine, so one engine (or one slot of a batch) serves requests of any method and
+    sampling one after another, and a scheduler holds each running request's settings in the request.
+    The drafter is the request's: it holds that method's draft state (a head's KV cache)."""
+
+    prompt_ids: list[int]
+    stop: StopConfig = field(default_factory=StopConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    drafter: Drafter | None = None  # None: plain decoding
+    method: str = "vanilla"  # the method's name, for reports
+    reuse_prefix: bool = False  # keep the cached positions this prompt shares with the last generation
+    trace: bool = False  # attach each step's tree and accepted path to its chunk
+    cancelled: Callable[[], bool] | None = None  # asked between prefill chunks: True ends the generation
+
+
 class Engine:
     def __init__(
         self,
@@ -191,10 +208,13 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
         reuse_prefix: bool = False,
         clock=time.perf_counter,
+        method: str | None = None,
     ) -> None:
-        """clock: seconds as a float (time.perf_counter); tests inject a deterministic one."""
+        """drafter, sampling, reuse_prefix, method: the defaults of a :meth:`request` built from a bare
+        prompt (the CLI's and the bench's single-method engines); a :class:`Request` carries its own.
+        clock: seconds as a float (time.perf_counter); tests inject a deterministic one."""
         self.target, self.drafter, self.sampling, self.clock = target, drafter, sampling, clock
-        self.method = "vanilla" if drafter is None else type(drafter).__name__
+        self.method = method or ("vanilla" if drafter is None else type(drafter).__name__)
         self.reuse_prefix = reuse_prefix
         # what the caches hold after the last generation: the target's tokens, the last root (the
         # head's newest entry reads it) and the drafter that holds the head entries; None = unknown
@@ -203,18 +223,21 @@ class Engine:
         self._held_drafter: Drafter | None = None
 
     # -- helpers -------------------------------------------------------------------------
-    def _choose(self, out: TargetOutput, noise: PositionNoise, position: int) -> torch.Tensor:
+    @staticmethod
+    def _choose(out: TargetOutput, noise: PositionNoise, position: int, sampling: SamplingConfig) -> torch.Tensor:
         """The first root (the token at ``position``, the prompt's length), from the prefill's last row."""
-        if self.sampling.greedy and out.argmax is not None:
+        if sampling.greedy and out.argmax is not None:
             return out.argmax[-1]
-        return next_token(out.logits[-1], self.sampling, noise.uniform(position))
+        return next_token(out.logits[-1], sampling, noise.uniform(position))
 
-    def _verify(self, tree: DraftTree, out: TargetOutput, noise: PositionNoise, position: int) -> Verdict:
+    @staticmethod
+    def _verify(tree: DraftTree, out: TargetOutput, noise: PositionNoise, position: int,
+                sampling: SamplingConfig) -> Verdict:
         """The verdict on a tree whose root sits at ``position``. Sampling draws each token with the
         uniform of its position (docs/design.md §2.5): the same tokens whatever the tree."""
-        if self.sampling.greedy:
+        if sampling.greedy:
             return verify_greedy(tree, out.logits, out.argmax)
-        return verify_sampling(tree, out.logits, self.sampling, noise.after(position))
+        return verify_sampling(tree, out.logits, sampling, noise.after(position))
 
     def _budget(self, prompt_len: int, stop: StopConfig) -> int:
         window = self.target.info.max_position
@@ -226,45 +249,53 @@ class Engine:
         return min(stop.max_new_tokens, window - prompt_len)
 
     # -- prefix reuse --------------------------------------------------------------------
-    def _reusable(self, prompt_ids: list[int]) -> int:
+    def _reusable(self, req: Request) -> int:
         """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
-        held = self._held
-        if not self.reuse_prefix or held is None or self._held_drafter is not self.drafter:
+        held, prompt_ids = self._held, req.prompt_ids
+        if not req.reuse_prefix or held is None or self._held_drafter is not req.drafter:
             return 0
         if self.target.cache_length != len(held):  # someone else ran the target meanwhile
             return 0
-        seq = held + [self._held_root] if self.drafter else held
+        seq = held + [self._held_root] if req.drafter else held
         n = 0
         for a, b in zip(seq, prompt_ids):
             if a != b:
                 break
             n += 1
-        if self.drafter:
+        if req.drafter:
             n -= 1  # the head's entry at n - 1 read token n, which must match too
         return max(0, min(n, len(prompt_ids) - 1))  # the last prompt token always runs (its logits)
 
-    def _restore(self, prompt_ids: list[int], max_length: int) -> int:
-        """Make the caches ready for ``prompt_ids``; return how many positions they keep."""
-        keep = self._reusable(prompt_ids)
+    def _restore(self, req: Request, max_length: int) -> int:
+        """Make the caches ready for the request's prompt; return how many positions they keep."""
+        keep = self._reusable(req)
         self._held = None  # unknown until this generation has committed something
         if keep:
             self.target.reserve(max_length)
             self.target.truncate(keep)
-            if self.drafter:
-                self.drafter.resume(max_length, keep)
+            if req.drafter:
+                req.drafter.resume(max_length, keep)
         else:
             self.target.reset(max_length)
-            if self.drafter:
-                self.drafter.reset(max_length)
+            if req.drafter:
+                req.drafter.reset(max_length)
         return keep
 
-    def _remember(self, held: list[int], root: int) -> None:
-        self._held, self._held_root, self._held_drafter = held, root, self.drafter
+    def _remember(self, held: list[int], root: int, drafter: Drafter | None) -> None:
+        self._held, self._held_root, self._held_drafter = held, root, drafter
 
     # -- the loop ------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False,
+    def request(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False,
+                cancelled=None) -> Request:
+        """A :class:`Request` for ``prompt_ids`` with this engine's defaults (drafter, sampling, method,
+        prefix reuse)."""
+        return Request(list(prompt_ids), stop, self.sampling, self.drafter, self.method, self.reuse_prefix, trace,
+                       cancelled)
+
+    def stream(self, prompt_ids: "list[int] | Request", stop: StopConfig = StopConfig(), trace: bool = False,
                cancelled=None) -> Iterator[Chunk]:
-        """Generate after ``prompt_ids``, yielding chunks; returns the RunStats (StopIteration.value).
+        """Generate a :class:`Request` (or after ``prompt_ids`` with this engine's defaults), yielding
+        chunks; returns the RunStats (StopIteration.value).
 
         trace: attach each step's tree and accepted path to its chunk (for display; costs host syncs).
         Closing the generator between chunks stops the generation and leaves the engine ready.
@@ -286,40 +317,43 @@ class Engine:
         finally:
             steps.close()
 
-    def steps(self, prompt_ids: list[int], stop: StopConfig = StopConfig(), trace: bool = False,
+    def steps(self, prompt_ids: "list[int] | Request", stop: StopConfig = StopConfig(), trace: bool = False,
               cancelled=None) -> Iterator["Chunk | Forward"]:
         """:meth:`stream` with its target forwards handed out: yields a :class:`Forward` wherever the
         generation needs one (send it the output) and a :class:`Chunk` wherever it emits tokens
         (resume it with next()). A scheduler drives several of these and runs their forwards together."""
+        req = prompt_ids if isinstance(prompt_ids, Request) else self.request(prompt_ids, stop, trace, cancelled)
+        prompt_ids, stop, trace, cancelled = req.prompt_ids, req.stop, req.trace, req.cancelled
+        drafter, sampling = req.drafter, req.sampling
         clock = self.clock
         t0 = clock()
         stats = RunStats(prompt_tokens=len(prompt_ids))
         if not prompt_ids:
             raise DdspecError("the prompt is empty: give at least one token of input")
         budget = self._budget(len(prompt_ids), stop)
-        noise = PositionNoise(self.sampling.seed)  # a position's uniform: the same in every method
+        noise = PositionNoise(sampling.seed)  # a position's uniform: the same in every method
         eos = set(self.target.info.eos_token_ids) if stop.stop_on_eos else set()
         text = TextAssembler(self.target.tokenizer, stop.stop_strings)
-        tree_room = self.drafter.max_tree_size if self.drafter else 1
-        if self.drafter:
-            self.drafter.score_for(self.sampling)
-        hidden_layers = self.drafter.hidden_layers if self.drafter else ()
+        tree_room = drafter.max_tree_size if drafter else 1
+        if drafter:
+            drafter.score_for(sampling)
+        hidden_layers = drafter.hidden_layers if drafter else ()
 
         # 1. Prefill: run the prompt (past what the caches keep, with reuse_prefix), choose the
         #    first root, let the drafter take the prompt in.
-        start = stats.reused_tokens = self._restore(prompt_ids, len(prompt_ids) + budget + tree_room)
+        start = stats.reused_tokens = self._restore(req, len(prompt_ids) + budget + tree_room)
         prompt = torch.tensor(prompt_ids[start:], dtype=torch.long)
         out = yield from self._prefill(prompt, start, hidden_layers, cancelled)
         if out is None:  # cancelled between chunks: the caches hold an unknown prefix (_restore forgot it)
             stats.finish_reason, stats.wall_s = "cancelled", clock() - t0
             return stats
-        root = self._choose(out, noise, len(prompt_ids))
-        if self.drafter:
-            self.drafter.prefill(prompt, out, root)
+        root = self._choose(out, noise, len(prompt_ids), sampling)
+        if drafter:
+            drafter.prefill(prompt, out, root)
         stats.prefill_s = clock() - t0
         emitted = [int(root)]
         held = list(prompt_ids)  # the tokens whose KV the target holds
-        self._remember(held, emitted[0])
+        self._remember(held, emitted[0], drafter)
         finish = self._finish(emitted, eos, budget)
         yield Chunk(emitted[:], text.add(emitted[:]), None)
         t_done = clock()
@@ -328,30 +362,30 @@ class Engine:
             # 2. Draft: a tree rooted at the newest chosen token.
             t_draft = clock()
             position = self.target.cache_length
-            tree = self.drafter.propose(root, position) if self.drafter else DraftTree.root_only(root)
+            tree = drafter.propose(root, position) if drafter else DraftTree.root_only(root)
             t_verify = clock()
             # 3. Verify: one target forward over the whole tree, then the acceptance rule.
             mask = tree.attention_mask() if tree.size > 1 else None
             forward = Forward(tree.tokens, tree.positions(position), mask, hidden_layers)
             out = yield forward
             t_resumed = clock()  # the forward took forward.seconds (beside other sequences' when batched)
-            verdict = self._verify(tree, out, noise, position)
+            verdict = self._verify(tree, out, noise, position, sampling)
             # 4. Commit: keep the accepted path's KV; the drafter refreshes its own state.
             self.target.commit(verdict.path)
-            if self.drafter:
-                self.drafter.observe(tree, verdict, out)
+            if drafter:
+                drafter.observe(tree, verdict, out)
             gap_ms, t_done = (t_draft - t_done) * 1e3, clock()
             # 5. Emit: the accepted drafted tokens and the bonus token (the next root).
             accepted = tree.tokens[verdict.path[1:]].tolist()
             held += [self._held_root] + accepted
             root = verdict.bonus
             new = accepted + [int(root)]
-            self._remember(held, new[-1])
+            self._remember(held, new[-1], drafter)
             step = StepStats(
                 verdict.accepted, tree.size, (t_verify - t_draft) * 1e3, (forward.seconds + t_done - t_resumed) * 1e3,
                 int(tree.depths.max()), gap_ms,
             )
-            self._learn_costs(step)
+            self._learn_costs(step, drafter)
             stats.steps.append(step)
             shown = self._trace(tree, verdict) if trace else None
             new = new[: budget - len(emitted)]
@@ -395,14 +429,15 @@ class Engine:
             hidden_states={k: torch.cat([o.hidden_states[k] for o in outs]) for k in last.hidden_states},
         )
 
-    def _learn_costs(self, step: StepStats) -> None:
+    @staticmethod
+    def _learn_costs(step: StepStats, drafter: Drafter | None) -> None:
         """Record the drafter's prediction of the step and hand it the step's timing (Drafter's hooks)."""
-        if not self.drafter:
+        if not drafter:
             return
-        predicted = self.drafter.prediction
+        predicted = drafter.prediction
         if predicted is not None:
             step.predicted_tokens, step.predicted_ms = predicted
-        self.drafter.observe_step(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
+        drafter.observe_step(step.accepted + 1, step.tree_size, step.draft_ms, step.verify_ms, step.gap_ms)
 
     @staticmethod
     def _trace(tree: DraftTree, verdict: Verdict) -> StepTrace:

@@ -290,9 +290,7 @@ def build_arms(methods: list[str], target, head_spec: str | None, tree: TreeConf
             drafter = make_drafter(m, target, head, tree)
         except DdspecError as e:
             raise type(e)(f"method {m}: {e}") from None
-        engine = Engine(target, drafter, sampling)
-        engine.method = m
-        arms[m] = EngineArm(engine)
+        arms[m] = EngineArm(Engine(target, drafter, sampling, method=m))
     return arms
 
 

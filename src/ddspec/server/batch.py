@@ -34,7 +34,7 @@ import logging
 import queue
 import time
 
-from ddspec.engine import Chunk, Engine, Forward
+from ddspec.engine import Chunk, Engine, Forward, Request
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
 from ddspec.server.worker import EngineWorker, Job, kept_drafter
@@ -50,6 +50,7 @@ class Slot:
         self.engine = Engine(session)
         self.drafters: dict[str, object] = {}
         self.job: Job | None = None
+        self.request: Request | None = None  # the job's settings and drafter, as the engine reads them
         self.steps = None  # the job's Engine.steps generator
         self.pending: Forward | None = None  # the forward it waits for
         self.t0 = 0.0
@@ -59,21 +60,19 @@ class Slot:
         return kept_drafter(self.drafters, method, lambda m: self._make_drafter(m, self.session), self.default_method)
 
     def start(self, job: Job) -> None:
-        engine = self.engine
-        engine.drafter = self.drafter(job.method)
-        engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
+        self.request = job.request(self.drafter(job.method))
         self.job, self.pending, self.t0 = job, None, time.perf_counter()
-        self.steps = engine.steps(job.prompt_ids, job.stop, trace=job.trace, cancelled=job.cancelled.is_set)
+        self.steps = self.engine.steps(self.request)
         self.rows, self.tokens, self.draft_ms = 1, 1.0, 0.0
 
     def close(self) -> None:
         if self.steps is not None:
             self.steps.close()
-        self.job = self.steps = self.pending = None
+        self.job = self.request = self.steps = self.pending = None
 
     @property
     def policy(self):
-        return getattr(self.engine.drafter, "cost_policy", None)
+        return None if self.request is None else getattr(self.request.drafter, "cost_policy", None)
 
 
 class BatchWorker(EngineWorker):

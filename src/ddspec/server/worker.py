@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from ddspec.config import SamplingConfig, StopConfig, TreeConfig
-from ddspec.engine import Engine
+from ddspec.engine import Engine, Request
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
 
@@ -51,6 +51,12 @@ class Job:
     admitted: float = field(default_factory=time.perf_counter)
     release: object = None  # set by EngineWorker.submit: frees the job's place in the queue bound
     released: bool = False
+
+    def request(self, drafter) -> Request:
+        """The engine's request for this job (after ``prepare``), drafting with ``drafter`` (the job's
+        method's, or None): the job's settings travel with it; nothing is written onto the engine."""
+        return Request(self.prompt_ids, self.stop, self.sampling, drafter, self.method, self.prefix_reuse, self.trace,
+                       self.cancelled.is_set)
 
     def cancel(self) -> None:
         """Stop the job (idempotent): a waiting job is skipped, a running one stops before its next step."""
@@ -160,10 +166,7 @@ class EngineWorker:
             job.prepare = None
             if job.cancelled.is_set():
                 return
-        engine = self.engine
-        engine.drafter = self.drafter(job.method)
-        engine.method, engine.sampling, engine.reuse_prefix = job.method, job.sampling, job.prefix_reuse
-        stream = engine.stream(job.prompt_ids, job.stop, trace=job.trace, cancelled=job.cancelled.is_set)
+        stream = self.engine.stream(job.request(self.drafter(job.method)))
         try:
             while not job.cancelled.is_set():
                 try:
