@@ -38,7 +38,8 @@ POLICIES = {"ddd": "ddd", "ddspec": "cost"}
 HEADS_DIR = Path(__file__).parent / "heads"
 DRAFT_MODEL_METHOD = "chain"  # what --method auto runs with --draft-model and no head
 # the heads shipped with ddspec, by target name
-SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct"}
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct",
+                 "Qwen2.5-Coder-0.5B-Instruct": HEADS_DIR / "qwen2.5-coder-0.5b-instruct"}
 
 
 _SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
