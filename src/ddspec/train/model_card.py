@@ -47,6 +47,14 @@ def _stage_time(name: str, entry: dict, manifest: dict) -> str:
     return f"{run_min:.1f} min"
 
 
+def model_title(info) -> str:
+    """The model's name for a card: its name, or where that is a file path, its published name."""
+    name = info.name
+    if ("/" in name or name.endswith(".gguf")) and info.published:
+        return info.published
+    return Path(name).name if "/" in name else name
+
+
 def write_model_card(dest: Path, run: Path, target) -> Path:
     stages, evals = _load(run / "stages.json"), _load(run / "eval.json")
     manifest = _load(run / "data" / "manifest.json")
@@ -58,7 +66,7 @@ def write_model_card(dest: Path, run: Path, target) -> Path:
     if depth > 1:
         fuse_flag += f" --head-layers {depth}"
     lines = [
-        f"# EAGLE-1/2 draft head for {target.info.name}",
+        f"# EAGLE-1/2 draft head for {model_title(target.info)}",
         "",
         "Trained with `ddspec train` (self-distillation: the target's own greedy answers).",
         "Layout: EAGLE-1/2 (`config.json` + `model.safetensors`, fp16); loads in ddspec and in",
