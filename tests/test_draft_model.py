@@ -126,7 +126,8 @@ def test_the_cli_drafts_with_a_draft_model(tiny_dirs, draft_dir):
 
 def test_a_chain_goes_on_while_another_token_pays():
     """ChainCosts: before any measurement a chain of ``start`` tokens; then token k + 1 is drafted
-    exactly when its reach probability P exceeds c E_k / T_k (E_k expected tokens, T_k = k c + V)."""
+    exactly when its reach probability P exceeds E_k (c + dV) / T_k (E_k expected tokens, T_k = k c +
+    V(k + 1), dV the verification's growth per node, fitted to the sizes seen)."""
     import math
 
     from ddspec.draft.model import ChainCosts
@@ -134,7 +135,7 @@ def test_a_chain_goes_on_while_another_token_pays():
     costs = ChainCosts(max_depth=8, start=3)
     assert [costs.more(0.0, k) for k in range(5)] == [True, True, True, False, False]
     costs.observe_level(10.0)
-    costs.observe_verify(40.0)
+    costs.observe_verify(40.0, nodes=4)  # one size seen: verification taken as flat
     # p = 0.9 per token: P_k = 0.9^k; continue while P_{k+1} (40 + 10 k) > 10 E_k
     taken, e = [], 1.0
     for k in range(8):
@@ -146,6 +147,10 @@ def test_a_chain_goes_on_while_another_token_pays():
             break
         e += p
     assert taken == [True] * 6 + [False]  # 6 tokens: the 7th, 0.9^7 * 100 = 47.8 < 10 E_6 = 52.2, does not pay
+    costs.observe_verify(30.0, nodes=1)  # now a line through (1, 30) and (4, 40): 10/3 ms a node more
+    assert costs.verify_ms(1) == pytest.approx(30.0) and costs.verify_ms(7) == pytest.approx(50.0)
+    steeper = [costs.more(math.log(0.9 ** (k + 1)), k) for k in range(8)]
+    assert steeper.index(False) < 6  # rows that cost more: a shorter chain
     dear = ChainCosts(max_depth=8)
     dear.observe_level(30.0)  # a draft level costing 3/4 of a verification: the first token needs p > 0.75
     dear.observe_verify(40.0)

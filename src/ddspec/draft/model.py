@@ -131,7 +131,7 @@ class DraftModelDrafter(Drafter):
 
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         if self.costs is not None:
-            self.costs.observe_verify(verify_ms + gap_ms)
+            self.costs.observe_verify(verify_ms + gap_ms, tree_size)
 
     @torch.inference_mode()
     def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int,
@@ -197,19 +197,21 @@ class DraftModelDrafter(Drafter):
 class ChainCosts:
     """When another drafted token pays, from costs measured on this machine (the ddspec method with a
     draft model): a chain of k drafts is expected to give E_k = 1 + p_1 + p_1 p_2 + ... tokens for
-    T_k = k c + V ms (c: one draft level, V: the verification and the step's other work, both running
-    means of this drafter's own steps), where p_i is the draft model's probability of its i-th token
-    (its confidence). Drafting one more token raises E / T exactly when its chance of being reached and
-    accepted, P = p_1 ... p_k+1, exceeds c E_k / T_k: the chain stops where the draft's confidence
-    falls below what a level costs against what a step yields. Dynamic Depth Decoding's idea for a
-    chain, with the threshold priced by this machine's measured costs instead of a fixed one.
-    Before the first measurements the chain is ``start`` tokens long."""
+    T_k = k c + V(k + 1) ms, where p_i is the draft model's probability of its i-th token (its
+    confidence), c one draft level and V(n) a step's verification of n nodes with the step's other
+    work (both running means of this drafter's own steps; V a line fitted to the mean time of each
+    size seen). Drafting one more token raises E / T exactly when its chance of being reached and
+    accepted, P = p_1 ... p_k+1, exceeds E_k (c + V(k + 2) - V(k + 1)) / T_k: the chain stops where the
+    draft's confidence falls below what a level and a verified row cost against what a step yields.
+    Dynamic Depth Decoding's idea for a chain, priced by this machine's measured costs instead of a
+    fixed threshold. Before the first measurements the chain is ``start`` tokens long."""
 
     def __init__(self, max_depth: int, start: int = 4, weight: float = 0.1) -> None:
         self.max_depth, self.start, self.weight = max_depth, start, weight
         self.level_ms: float | None = None  # one draft level
-        self.verify_ms: float | None = None  # the verification forward and the step's other work
-        self._expected, self._steps_ms = 1.0, 0.0
+        self.verify_by_size: dict[int, float] = {}  # nodes verified -> mean ms of the step's verification and rest
+        self._line: tuple[float, float] | None = None  # V(n) = a + b n
+        self._expected = 1.0
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.weight * (new - old)
@@ -217,8 +219,21 @@ class ChainCosts:
     def observe_level(self, ms: float) -> None:
         self.level_ms = self._mean(self.level_ms, ms)
 
-    def observe_verify(self, ms: float) -> None:
-        self.verify_ms = self._mean(self.verify_ms, ms)
+    def observe_verify(self, ms: float, nodes: int = 1) -> None:
+        self.verify_by_size[nodes] = self._mean(self.verify_by_size.get(nodes), ms)
+        sizes = list(self.verify_by_size)
+        if len(sizes) < 2:  # one size seen: no growth known yet
+            self._line = (self.verify_by_size[sizes[0]], 0.0)
+            return
+        n_mean = sum(sizes) / len(sizes)
+        v_mean = sum(self.verify_by_size.values()) / len(sizes)
+        var = sum((n - n_mean) ** 2 for n in sizes)
+        slope = max(0.0, sum((n - n_mean) * (self.verify_by_size[n] - v_mean) for n in sizes) / var)
+        self._line = (v_mean - slope * n_mean, slope)
+
+    def verify_ms(self, nodes: int) -> float:
+        a, b = self._line
+        return a + b * nodes
 
     def more(self, logp: float, level: int) -> bool:
         """Whether to draft the token at depth ``level + 1`` whose cumulative draft log-prob is ``logp``."""
@@ -227,11 +242,12 @@ class ChainCosts:
         if level >= self.max_depth:
             return False
         p = math.exp(logp)
-        if self.level_ms is None or self.verify_ms is None:
+        if self.level_ms is None or self._line is None:
             go = level < self.start
         else:
-            total_ms = level * self.level_ms + self.verify_ms
-            go = p * total_ms > self.level_ms * self._expected
+            total_ms = level * self.level_ms + self.verify_ms(level + 1)
+            added_ms = self.level_ms + self._line[1]
+            go = p * total_ms > added_ms * self._expected
         if go:
             self._expected += p
         return go
