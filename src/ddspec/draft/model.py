@@ -23,6 +23,7 @@ import torch
 
 from ddspec.config import TreeConfig
 from ddspec.draft.base import Drafter
+from ddspec.draft.eagle import DraftSlots
 from ddspec.errors import ConfigError, DdspecError
 from ddspec.models.base import TargetOutput
 from ddspec.tree import DraftTree, make_depth_policy
@@ -62,7 +63,6 @@ class DraftModelDrafter(Drafter):
         self.vocab = min(target.info.vocab_size, draft.info.vocab_size)  # rows past it are padding
         self.tokens: list[int] = []  # committed tokens by position, then the current root
         self._kept = 0  # draft-cache entries that hold committed tokens (the rest are fed again)
-        self._levels = 0
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -154,7 +154,6 @@ class DraftModelDrafter(Drafter):
                 logprobs = self._logprobs(out.logits[-1])
                 if costs is not None:
                     costs.observe_level((time.perf_counter() - t0) * 1e3)
-        self._levels = len(drafts)
         if not drafts:
             return DraftTree.root_only(root)
         n = len(drafts) + 1
@@ -169,26 +168,20 @@ class DraftModelDrafter(Drafter):
         candidates = HostCandidates(ids.tolist(), values.tolist())
         frontier = list(range(candidates.size))
         committed = position + 1
-        slot_of: dict[int, int] = {}  # candidate -> its draft-cache slot (after the committed entries)
-        ancestors: list[list[int]] = []  # per slot: the slots it attends to (its ancestors and itself)
+        slots = DraftSlots(committed, torch.device("cpu"))  # the drafted nodes' ancestry in the draft cache
+        slot_of: dict[int, int] = {}  # candidate -> its slot (after the committed entries)
         level = 1
         while level < room and self.policy.continue_after(level, [candidates.scores[f] for f in frontier]):
-            n, base = len(frontier), len(ancestors)
-            for j, c in enumerate(frontier):
-                parent = candidates.parents[c]
-                ancestors.append((ancestors[slot_of[parent]] if parent >= 0 else []) + [base + j])
-                slot_of[c] = base + j
-            mask = torch.zeros(n, committed + base + n, dtype=torch.bool)
-            mask[:, :committed] = True
-            for j in range(n):
-                mask[j, [committed + s for s in ancestors[base + j]]] = True
+            n, base = len(frontier), slots.rows.shape[0]
+            parents = [slot_of.get(candidates.parents[c], -1) for c in frontier]
+            slot_of.update((c, base + j) for j, c in enumerate(frontier))
+            mask = slots.add(torch.tensor(parents)).view(n, -1)
             tokens = torch.tensor([candidates.tokens[c] for c in frontier], device=self.device)
             positions = torch.full((n,), position + level, device=self.device)
             out = self.draft.forward(tokens, positions, mask.to(self.device))
             values, ids = self._logprobs(out.logits).topk(k, dim=-1)
             frontier = candidates.expand(frontier, values.tolist(), ids.tolist(), k)
             level += 1
-        self._levels = level
         self.draft.truncate(committed)  # the tree's entries go; the root's stays
         tree, _ = candidates.tree(root, self.cfg.total_tokens, None, None, room, root_device(self.device))
         return tree
@@ -270,8 +263,9 @@ def load_draft_model(spec: str, target):
     activations = getattr(target, "activations", "fp32")
     impl = "native" if hasattr(target, "session") else "auto"
     key = (str(spec), impl, str(target.device), target.dtype, activations)
-    if key not in _LOADED:
-        _LOADED[key] = load_target(str(spec), impl=impl, device=str(target.device), dtype=target.dtype,
-                                   activations=activations)
-    model = _LOADED[key]
-    return model.session() if hasattr(model, "session") else model
+    model = _LOADED.get(key) or load_target(str(spec), impl=impl, device=str(target.device), dtype=target.dtype,
+                                            activations=activations)
+    if not hasattr(model, "session"):  # no sessions: each drafter its own copy (a cache can serve one drafter)
+        return model
+    _LOADED[key] = model
+    return model.session()
