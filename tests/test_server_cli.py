@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -99,7 +100,7 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     status = main(["bench-serve", "--model", str(tiny_dirs["llama"]), "--head", "random:1", "--methods",
                    "vanilla,eagle2@d3k2n4", "--concurrency", "1,3", "--requests", "3", "--max-tokens", "8",
                    "--chat-max-tokens", "40", "--reuse-trials", "2", "--prompts", str(prompts), "--out", str(out),
-                   "--threads", "1"])
+                   "--threads", "1", "--repeats", "2"])
     assert status == 0
     results = json.loads((out / "results.json").read_text())
     rows = results["rows"]
@@ -108,6 +109,7 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     for r in rows:
         assert r["requests"] == 3 and r["errors"] == 0 and r["tokens_per_s"] > 0
         assert r["p99_latency_s"] >= r["p50_latency_s"] > 0 and r["requests_per_s"] > 0
+        assert r["runs"] == 2 and min(r["tokens_per_s_runs"]) == r["tokens_per_s"]  # the lower middle of two
     reuse = results["reuse"]
     assert reuse["method"] == "eagle2@d3k2n4" and reuse["history_tokens"] > 60
     # the tiny tokenizer spells its <extra_N> tokens as text, so the history re-tokenizes differently
@@ -115,7 +117,9 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert 20 < reuse["reused_tokens"] < reuse["history_tokens"]
     assert reuse["ttft_reuse_s"] > 0 and reuse["ttft_cold_s"] > 0
     summary = (out / "summary.md").read_text()
-    assert "| vanilla | 3 | 3 |" in summary and "Third chat turn" in summary
+    assert "| vanilla | 3 | 3 |" in summary and "Third chat turn" in summary and "median of 2 runs" in summary
+    assert "- eagle2@d3k2n4 / vanilla, tokens/s (median of run-by-run ratios): " in summary
+    assert re.search(r"\d\.\d\dx at 1, \d+\.\d\dx at 3", summary)
     assert summary in capsys.readouterr().out
 
 

@@ -9,14 +9,19 @@
    turn 3 is timed to its first token with reuse, then without (``"prefix_reuse": false``).
 
 The server runs in this process on a free loopback port (or pass ``--url`` to measure a running
-one). With ``--llama-server PATH`` llama.cpp's own server (``--slots`` slots, the same GGUF and
-threads) is measured too, by the same clients, after ddspec's rows (method ``llama.cpp``).
+one); ``--batch 1,16`` starts one per value. With ``--llama-server PATH`` llama.cpp's own server
+(``--slots`` slots, the same GGUF and threads) is measured too, by the same clients (method
+``llama.cpp``). All servers start first, and at each concurrency level the arms take turns (each
+idles while another is measured), ``--repeats`` times, so that a drift in the machine's speed hits
+them alike; a row is the median run, and each method is also given as a run-by-run ratio to
+vanilla on the same server (speculation on / off at that load).
 Clients are threads with plain ``http.client``, which cost little next to decoding.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import math
@@ -174,13 +179,15 @@ def reuse_run(client: Client, method: str, turns: tuple[str, str], max_tokens: i
             "prefill_cold_ms": round(statistics.median(s.prefill_ms for s in cold), 1), "trials": trials}
 
 
-def report(rows: list[dict], reuse: dict, header: str) -> str:
+def report(rows: list[dict], reuse: dict, header: str, ratios: list[str] = ()) -> str:
     lines = [header, "", "| method | concurrency | requests | req/s | tokens/s | p50 latency s | p99 latency s | "
                          "p50 TTFT s | τ | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | "
                      f"{r['p50_ttft_s']:.3f} | {'—' if r['tau'] is None else format(r['tau'], '.2f')} | {r['errors']} |")
+    if ratios:
+        lines += [""] + [f"- {line}" for line in ratios]
     if reuse:
         lines += ["", f"Third chat turn ({reuse['history_tokens']} prompt tokens, {reuse['reused_tokens']} kept by "
                       f"prefix reuse; method {reuse['method']}; median of {reuse['trials']}): time to first token "
@@ -209,6 +216,9 @@ def add_bench_parser(sub) -> None:
                    help="methods to compare, comma-separated (default vanilla,ddspec)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="concurrent clients (default 1,4,16)")
     p.add_argument("--requests", type=int, default=16, help="requests per method and concurrency (default 16)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each row; the arms take turns at each load and each row reports its median "
+                        "run by tokens/s, with the run-by-run ratio of each method to vanilla (default 1)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"JSONL prompt file or a shipped set: mt-bench, humaneval, gsm8k (default {DEFAULT_PROMPTS})")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per load request (default 128)")
     p.add_argument("--chat-max-tokens", type=int, default=512,
@@ -239,8 +249,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         split_method(m)
-    if args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0 or args.slots < 1:
-        raise DdspecError("--requests, --max-tokens, --chat-max-tokens and --slots must be >= 1, --reuse-trials >= 0")
+    if (args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0 or args.slots < 1
+            or args.repeats < 1):
+        raise DdspecError("--requests, --max-tokens, --chat-max-tokens, --slots and --repeats must be >= 1, "
+                          "--reuse-trials >= 0")
     if args.llama_server and (Path(args.model).suffix != ".gguf" or not Path(args.model).expanduser().is_file()):
         raise DdspecError(f"--llama-server measures llama.cpp on the same GGUF file: give --model FILE.gguf, not {args.model}")
     prompts = load_prompt_file(resolve_prompt_sources([args.prompts])[0])
@@ -252,35 +264,34 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise DdspecError("--batch starts ddspec's own servers; it cannot change a running one (--url)")
     if min(args.batch) < 1:
         raise DdspecError(f"--batch values must be >= 1, got {args.batch}")
-    rows, reuse, health, ours = [], {}, {}, True
-    for b in args.batch if args.url is None else [None]:
-        live = None if b is None else _start_server(args, methods, b)
-        url = args.url if live is None else live.url
-        try:
-            client = Client(url, args.api_key)
-            health = client.get("/health")
-            for method in methods:
-                warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
-                ours = warm.tau is not None
-                label = method if len(args.batch) == 1 else f"{method} (batch {b})"
-                for c in args.concurrency:
-                    rows.append(dict(load_run(client, method, c, firsts, args.requests, args.max_tokens), method=label))
-                    r = rows[-1]
-                    print(f"[bench-serve] {label} x{c}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} "
-                          f"tokens/s, p50 {r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, "
-                          f"errors {r['errors']}", file=sys.stderr)
-            if args.reuse_trials and not ours:
+    with contextlib.ExitStack() as stack:
+        arms, health = _open_arms(args, methods, stack)
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for c in args.concurrency:  # every arm at this load, in turn, --repeats times: drift hits them alike
+            for rep in range(args.repeats):
+                for arm in arms:
+                    r = dict(load_run(arm.client, arm.method, c, firsts, args.requests, args.max_tokens),
+                             method=arm.label)
+                    runs.setdefault((arm.label, c), []).append(r)
+                    print(f"[bench-serve] {arm.label} x{c}" + (f" ({rep + 1}/{args.repeats})" if args.repeats > 1 else "")
+                          + f": {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tokens/s, p50 "
+                          f"{r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, errors {r['errors']}",
+                          file=sys.stderr)
+        reuse = {}
+        if args.reuse_trials:
+            ours = [a for a in arms if a.ours]
+            if not ours:
                 print("[bench-serve] the server reports no prefix reuse (not ddspec's usage fields): the reuse "
                       "chat is skipped", file=sys.stderr)
-            if args.reuse_trials and ours and not reuse:
-                reuse = reuse_run(client, methods[-1], two_turns, args.chat_max_tokens, args.reuse_trials)
-        finally:
-            if live is not None:
-                live.stop()
-    rows += _llama_rows(args, firsts)
+            else:
+                reuse = reuse_run(ours[-1].client, ours[-1].method, two_turns, args.chat_max_tokens, args.reuse_trials)
+    rows = [median_run(runs[(a.label, c)]) for a in arms for c in args.concurrency]
+    url = args.url or "a local server"
     header = (f"ddspec bench-serve: model {health.get('model', url)}, prompts {args.prompts} (first turns, greedy, "
-              f"{args.max_tokens} tokens), {args.requests} requests per row, {time.strftime('%Y-%m-%d %H:%M')}")
-    text = report(rows, reuse, header)
+              f"{args.max_tokens} tokens), {args.requests} requests per row"
+              + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
+              + f", {time.strftime('%Y-%m-%d %H:%M')}")
+    text = report(rows, reuse, header, paired_ratios(arms, runs, args.concurrency))
     print(text)
     if args.out:
         out = Path(args.out)
@@ -291,10 +302,66 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(r["errors"] for r in rows) else 0
 
 
-def _llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
-    """llama.cpp's server on the same GGUF (with --llama-server): the same load, row by row."""
-    if not args.llama_server:
-        return []
+@dataclass(slots=True)
+class Arm:
+    """One measured configuration: a server (client), the method its requests name, the row label."""
+    label: str
+    client: Client
+    method: str | None
+    batch: int | None = None  # ddspec's `serve --batch`; None: a server started elsewhere or llama.cpp's
+    ours: bool = False  # the server reports ddspec's usage fields
+
+
+def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.ExitStack) -> tuple[list[Arm], dict]:
+    """Every server the run measures, started at once (each idles while another is measured):
+    ddspec's, one per --batch value (or the --url one), then llama.cpp's with --llama-server."""
+    arms, health = [], {}
+    for b in args.batch if args.url is None else [None]:
+        if b is None:
+            url = args.url
+        else:
+            live = _start_server(args, methods, b)
+            stack.callback(live.stop)
+            url = live.url
+        client = Client(url, args.api_key)
+        health = client.get("/health")
+        for method in methods:
+            warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
+            label = method if len(args.batch) == 1 else f"{method} (batch {b})"
+            arms.append(Arm(label, client, method, b, warm.tau is not None))
+    if args.llama_server:
+        arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url), None))
+        arms[-1].client.chat([{"role": "user", "content": "Hello!"}], 8)
+    return arms, health
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with how many ran."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return dict(ordered[(len(ordered) - 1) // 2], runs=len(runs),
+                tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
+
+
+def paired_ratios(arms: list[Arm], runs: dict, concurrency: list[int]) -> list[str]:
+    """Speculation on / off per load: each method's tokens/s over vanilla's on the same server, run by
+    run (the two ran back to back), the median of those ratios."""
+    lines = []
+    for arm in arms:
+        base = next((a for a in arms if a.client is arm.client and a.method == "vanilla"), None)
+        if base is None or arm is base or arm.method is None:
+            continue
+        cells = []
+        for c in concurrency:
+            ratios = [on["tokens_per_s"] / off["tokens_per_s"] for on, off in zip(runs[(arm.label, c)],
+                                                                                   runs[(base.label, c)])
+                      if off["tokens_per_s"] > 0]
+            cells.append(f"{statistics.median(ratios):.2f}x at {c}" if ratios else f"— at {c}")
+        lines.append(f"{arm.label} / {base.label}, tokens/s (median of run-by-run ratios): " + ", ".join(cells))
+    return lines
+
+
+def _start_llama(args: argparse.Namespace, stack: contextlib.ExitStack):
+    """llama.cpp's server on the same GGUF (with --llama-server), closed with the stack."""
     from ddspec.bench.llama_server import LlamaServerArm, find_server
     from ddspec.models.loading import read_config, resolve_model_dir
 
@@ -303,18 +370,8 @@ def _llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     eos = cfg.get("eos_token_id")
     arm = LlamaServerArm(find_server(args.llama_server), gguf, tuple(eos if isinstance(eos, list) else [eos or 0]),
                          int(cfg.get("max_position_embeddings", 2048)), args.threads or 2, slots=args.slots)
-    try:
-        client = Client(arm.url)
-        client.chat([{"role": "user", "content": "Hello!"}], 8)
-        rows = []
-        for c in args.concurrency:
-            rows.append(dict(load_run(client, None, c, prompts, args.requests, args.max_tokens), method="llama.cpp"))
-            r = rows[-1]
-            print(f"[bench-serve] llama.cpp x{c} ({args.slots} slots): {r['tokens_per_s']:.1f} tokens/s, p50 "
-                  f"{r['p50_latency_s']:.3f} s, errors {r['errors']}", file=sys.stderr)
-        return rows
-    finally:
-        arm.close()
+    stack.callback(arm.close)
+    return arm
 
 
 def _start_server(args: argparse.Namespace, methods: list[str], batch: int = 1):
