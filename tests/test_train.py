@@ -165,6 +165,27 @@ def test_warm_start_from_an_earlier_head(tmp_path, capsys):
                  "--init-from", str(tmp_path / "missing")]) == 2
 
 
+def test_a_head_with_a_narrower_mlp_than_its_target(tmp_path, capsys):
+    """--head-ffn: the head's MLP width in its config; it trains, decodes losslessly through the
+    engine, a warm start keeps it, and another width from a warm start is refused."""
+    out = tmp_path / "run"
+    for stage in ("data", "fit"):
+        assert main(["train", stage, "--tiny", "--out", str(out), "--threads", "1", "--head-ffn", "24"]) == 0
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["intermediate_size"] == 24
+    assert main(["train", "eval", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    r = json.loads((out / "eval.json").read_text())["head"]["tiny"]
+    assert r["identical_to_plain"] == "4/4" and r["tau"] >= 1.0
+    warm = tmp_path / "warm"
+    assert main(["train", "data", "--tiny", "--out", str(warm), "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert main(["train", "fit", "--tiny", "--out", str(warm), "--threads", "1", "--init-from", str(out / "head"),
+                 "--head-ffn", "16"]) == 2
+    assert "--head-ffn 16: the --init-from head" in capsys.readouterr().err
+    assert main(["train", "fit", "--tiny", "--out", str(warm), "--threads", "1", "--init-from", str(out / "head")]) == 0
+    assert json.loads((warm / "head" / "config.json").read_text())["intermediate_size"] == 24
+
+
 def test_keep_draft_vocab_carries_the_earlier_heads_vocabulary(tiny_targets, tmp_path):
     from ddspec.draft.checkpoint import random_head, save_head
     from ddspec.train.pipeline import _new_head

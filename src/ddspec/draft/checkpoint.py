@@ -26,8 +26,9 @@ OPTIONAL_KEYS = {"embed_tokens.weight", "d2t", "t2d", "fc.bias"}
 IGNORED_KEYS = {"t2d"}
 
 
-def head_config_for(target_config: dict, *, bias: bool = True, layers: int = 1) -> dict:
-    """A head config.json for a target (its family's hyper-parameters, ``layers`` decoder layers)."""
+def head_config_for(target_config: dict, *, bias: bool = True, layers: int = 1, ffn: int = 0) -> dict:
+    """A head config.json for a target (its family's hyper-parameters, ``layers`` decoder layers;
+    ``ffn`` > 0: that MLP width instead of the target's)."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
             "vocab_size", "attention_bias", "hidden_act", "model_type")
@@ -38,6 +39,8 @@ def head_config_for(target_config: dict, *, bias: bool = True, layers: int = 1) 
     family = cfg.get("model_type", "llama")
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
     cfg.update(num_hidden_layers=layers, bias=bias, architectures=[arch.get(family, "LlamaForCausalLM")])
+    if ffn:
+        cfg["intermediate_size"] = int(ffn)
     return cfg
 
 
@@ -131,11 +134,12 @@ def save_head(head: EagleHead, folder: str | Path, metadata: dict | None = None)
 
 
 def random_head(target_config: dict, seed: int = 0, std: float = 0.02,
-                fuse_layers: tuple[int, ...] = (), layers: int = 1) -> EagleHead:
+                fuse_layers: tuple[int, ...] = (), layers: int = 1, ffn: int = 0) -> EagleHead:
     """A randomly initialised head for a target (tests, and a starting point for training); a fusion
-    of target layers (``fuse_layers``) starts at zero."""
+    of target layers (``fuse_layers``) starts at zero; ``ffn`` > 0: a narrower (or wider) MLP than
+    the target's layers have."""
     torch.manual_seed(seed)
-    cfg = head_config_for(target_config, layers=layers)
+    cfg = head_config_for(target_config, layers=layers, ffn=ffn)
     if fuse_layers:
         cfg["fuse_layers"] = list(fuse_layers)
     head = EagleHead(cfg)

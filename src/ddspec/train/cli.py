@@ -131,6 +131,9 @@ def add_parser(sub) -> None:
                    help="decoder layers in the head (default: as the --init-from head, else 1). More layers "
                         "than the --init-from head has start as the identity, so the deeper head begins "
                         "exactly at the earlier one; each layer costs draft time at every draft depth")
+    g.add_argument("--head-ffn", type=int, default=0, metavar="N",
+                   help="the head's MLP width (default: the --init-from head's, else the target's). Narrower "
+                        "than a large target's layers: a smaller, faster head for the same data (an EAGLE-1/2 head)")
     g = p.add_argument_group("evaluation / export")
     g.add_argument("--eval-limit", type=int, default=20, help="first turns per eval file (default 20)")
     g.add_argument("--eval-new-tokens", type=int, default=128)

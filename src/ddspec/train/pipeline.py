@@ -250,16 +250,21 @@ def _warm_start_eagle3(head, init_from: str, target) -> None:
 
 
 def _new_head(target, sequences, draft_vocab: int, init_from: str | None = None, fuse_layers: tuple[int, ...] = (),
-              layers: int = 0, keep_vocab: bool = False):
+              layers: int = 0, keep_vocab: bool = False, ffn: int = 0):
     """The head to train: random, or warm-started from ``init_from``. ``layers`` = 0 keeps the
     earlier head's depth (1 for a random head); more layers than it has start as the identity.
+    ``ffn``: its MLP width (0: the earlier head's, else the target's).
     ``keep_vocab``: the earlier head's draft vocabulary, not one counted from ``sequences``."""
     from ddspec.draft.checkpoint import add_identity_layers, load_head, random_head
     from ddspec.train.trainer import draft_vocabulary
 
     earlier = load_head(init_from, target.info) if init_from else None
     depth = layers or (len(earlier.layers) if earlier is not None else 1)
-    head = random_head(target.hf_config, seed=0, fuse_layers=fuse_layers, layers=depth)
+    if earlier is not None and ffn and ffn != earlier.arch.intermediate_size:
+        raise DdspecError(f"--head-ffn {ffn}: the --init-from head {init_from} has MLP width "
+                          f"{earlier.arch.intermediate_size}; drop --head-ffn to keep it")
+    ffn = ffn or (earlier.arch.intermediate_size if earlier is not None else 0)
+    head = random_head(target.hf_config, seed=0, fuse_layers=fuse_layers, layers=depth, ffn=ffn)
     if earlier is not None:  # the layer weights of an earlier head; its draft vocabulary is not carried over
         if earlier.fuse_layers and earlier.fuse_layers != fuse_layers:
             raise DdspecError(f"--init-from {init_from} fuses layers {list(earlier.fuse_layers)}; "
@@ -343,6 +348,10 @@ def stage_fit(args, out: Path, target) -> None:
     head_layers = getattr(args, "head_layers", 0) or 0
     if not 0 <= head_layers <= 8:
         raise DdspecError(f"--head-layers must be from 1 to 8 (0 = as --init-from, else 1), got {head_layers}")
+    head_ffn = getattr(args, "head_ffn", 0) or 0
+    if head_ffn < 0 or eagle3 and head_ffn:
+        raise DdspecError(f"--head-ffn must be >= 1 (0 = the target's width), for an EAGLE-1/2 head; got {head_ffn}"
+                          + (" with --arch eagle3" if eagle3 else ""))
     if eagle3:
         from ddspec.train.trainer import draft_vocabulary, new_eagle3_head
 
@@ -352,7 +361,7 @@ def stage_fit(args, out: Path, target) -> None:
             _warm_start_eagle3(head, init_from, target)
     else:
         head = _new_head(target, sequences, settings.draft_vocab, init_from, fuse_layers, head_layers,
-                         getattr(args, "keep_draft_vocab", False))
+                         getattr(args, "keep_draft_vocab", False), head_ffn)
         if getattr(head, "d2t", None) is not None:  # record the vocabulary trained on (a kept one too)
             settings = replace(settings, draft_vocab=int(head.d2t.numel()))
     trainer = HeadTrainer(head, target.embed_tokens, target.lm_head_weight_t(), sequences, settings, out, val=val)
