@@ -73,7 +73,30 @@ def _layers_forward(target: NativeLlama, x: torch.Tensor, positions: torch.Tenso
     return target.final_norm(x), (torch.cat([states[i] for i in capture], dim=-1) if capture else None)
 
 
-class ContinuousBatcher:
+class _Rows:
+    """What both batchers share: how a row's next token is chosen and how its features are kept."""
+
+    def __init__(self, target: NativeLlama, temperature: float, seed: int, capture: tuple[int, ...],
+                 fuse: bool) -> None:
+        """``capture``: keep the residual streams entering these layers, raw (``fuse`` False) or as
+        a fused head reads them (``fuse``: each RMS-normalised, :func:`fusion_input`), in fp16."""
+        self.target, self.temperature, self.capture, self.fuse = target, temperature, tuple(capture), fuse
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+
+    def _keep(self, states: torch.Tensor) -> torch.Tensor:
+        """Captured states [..., n * H] as stored: fp16, normalised per layer for a fused head."""
+        if self.fuse:
+            return fusion_input(list(states.split(self.target.arch.hidden_size, dim=-1))).half()
+        return states.half()
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        return sample_rows(logits, self.temperature, self.generator)
+
+
+class ContinuousBatcher(_Rows):
     """Greedy decoding of many prompts with a fixed number of rows, refilled as answers finish.
 
     All rows write their newest token's KV at the same cache slot ``s``; row r's sequence
@@ -85,12 +108,9 @@ class ContinuousBatcher:
 
     def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
                  temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = (), fuse: bool = False) -> None:
-        """``capture``: keep the residual streams entering these layers, raw (``fuse`` False) or as
-        a fused head reads them (``fuse``: each RMS-normalised, :func:`fusion_input`), in fp16."""
+        super().__init__(target, temperature, seed, capture, fuse)
         a = target.arch
-        self.temperature, self.capture, self.fuse = temperature, tuple(capture), fuse
-        self.generator = torch.Generator(device=target.device).manual_seed(seed)
-        self.target, self.rows, self.max_prompt, self.max_new = target, rows, max_prompt, max_new
+        self.rows, self.max_prompt, self.max_new = rows, max_prompt, max_new
         self.capacity = 2 * (max_prompt + max_new)
         self.keys = torch.zeros(a.num_layers, rows, a.num_kv_heads, self.capacity, a.head_dim,
                                 dtype=target.dtype, device=target.device)  # [L, R, Hkv, T, D]
@@ -147,18 +167,6 @@ class ContinuousBatcher:
         first = self._pick(t.lm_head(h[:, -1]))  # [B]
         return (first, [h[i, pad[i]:].float() for i in range(len(prompts))],
                 [None if st is None else self._keep(st[i, pad[i]:]) for i in range(len(prompts))])
-
-    def _keep(self, states: torch.Tensor) -> torch.Tensor:
-        """Captured states [..., n * H] as stored: fp16, normalised per layer for a fused head."""
-        if self.fuse:
-            return fusion_input(list(states.split(self.target.arch.hidden_size, dim=-1))).half()
-        return states.half()
-
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token per row: greedy, or sampled at ``temperature`` (seeded)."""
-        if self.temperature <= 0:
-            return logits.argmax(-1)
-        return sample_rows(logits, self.temperature, self.generator)
 
     def _shift(self) -> None:
         live = self.start[self.live]
@@ -252,7 +260,7 @@ class ContinuousBatcher:
                     states[i].append(st_rows[r])
 
 
-class SessionBatcher:
+class SessionBatcher(_Rows):
     """Greedy (or sampled) decoding of many prompts, each row a session of the target with a KV cache
     of its own (:meth:`NativeLlama.session`), every step one :meth:`NativeLlama.forward_many` over
     the live rows: the decoder layers run as one C call for all of them, in the mode (fp32 or int8)
@@ -266,14 +274,10 @@ class SessionBatcher:
 
     def __init__(self, target: NativeLlama, rows: int, max_prompt: int, max_new: int,
                  temperature: float = 0.0, seed: int = 0, capture: tuple[int, ...] = (), fuse: bool = False) -> None:
-        self.target, self.rows, self.max_new = target, rows, max_new
-        self.temperature, self.capture, self.fuse = temperature, tuple(capture), fuse
-        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        super().__init__(target, temperature, seed, capture, fuse)
+        self.rows, self.max_new = rows, max_new
         self.room = max_prompt + max_new
         self.eos = set(target.info.eos_token_ids)
-
-    _keep = ContinuousBatcher._keep
-    _pick = ContinuousBatcher._pick
 
     def _states(self, out) -> torch.Tensor | None:
         if not self.capture:
