@@ -75,7 +75,7 @@ def test_a_shipped_head_is_found_by_the_models_published_name(monkeypatch, tmp_p
     head = tmp_path / "head"
     head.mkdir()
     (head / "config.json").write_text("{}")
-    monkeypatch.setitem(methods.SHIPPED_HEADS, "Qwen2.5-Coder-0.5B-Instruct", head)
+    monkeypatch.setattr(methods, "SHIPPED_HEADS", {"Qwen2.5-Coder-0.5B-Instruct": head})
 
     def info(name, published):
         return ModelInfo("qwen2", 10, 8, 1, 64, (0,), name=name, published=published)
@@ -84,3 +84,6 @@ def test_a_shipped_head_is_found_by_the_models_published_name(monkeypatch, tmp_p
     assert methods.shipped_head(info("/m/Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct")) == head
     assert methods.shipped_head(info("/m/q.gguf", "Qwen2.5 Coder 1.5B Instruct GGUF")) is None
     assert methods.shipped_head(info("/m/q.gguf", "")) is None
+    # a file named for the model, whatever general.name its converter wrote (the default model's GGUF)
+    assert methods.shipped_head(info("/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "Smollm2 Mix1 Ep2")) == head
+    assert methods.shipped_head(info("/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "")) is None

@@ -126,8 +126,9 @@ def test_the_cli_drafts_with_a_draft_model(tiny_dirs, draft_dir):
 
 def test_a_chain_goes_on_while_another_token_pays():
     """ChainCosts: before any measurement a chain of ``start`` tokens; then token k + 1 is drafted
-    exactly when its reach probability P exceeds E_k (c + dV) / T_k (E_k expected tokens, T_k = k c +
-    V(k + 1), dV the verification's growth per node, fitted to the sizes seen)."""
+    exactly when its reach probability P exceeds E_k (a + dV) / T_k (E_k expected tokens, T_k =
+    max(k, 1) c + V(k + 1), a = c past the first token and 0 for the first (the catch-up gave it),
+    dV the verification's growth per node, fitted to the sizes seen)."""
     import math
 
     from ddspec.draft.model import ChainCosts
@@ -136,11 +137,11 @@ def test_a_chain_goes_on_while_another_token_pays():
     assert [costs.more(0.0, k) for k in range(5)] == [True, True, True, False, False]
     costs.observe_level(10.0)
     costs.observe_verify(40.0, nodes=4)  # one size seen: verification taken as flat
-    # p = 0.9 per token: P_k = 0.9^k; continue while P_{k+1} (40 + 10 k) > 10 E_k
+    # p = 0.9 per token: P_k = 0.9^k; the first is free, then continue while P_{k+1} (40 + 10 k) > 10 E_k
     taken, e = [], 1.0
     for k in range(8):
         p = 0.9 ** (k + 1)
-        want = p * (40 + 10 * k) > 10 * e
+        want = k == 0 or p * (40 + 10 * k) > 10 * e
         assert costs.more(math.log(p), k) == want
         taken.append(want)
         if not want:
@@ -151,8 +152,51 @@ def test_a_chain_goes_on_while_another_token_pays():
     assert costs.verify_ms(1) == pytest.approx(30.0) and costs.verify_ms(7) == pytest.approx(50.0)
     steeper = [costs.more(math.log(0.9 ** (k + 1)), k) for k in range(8)]
     assert steeper.index(False) < 6  # rows that cost more: a shorter chain
-    dear = ChainCosts(max_depth=8)
-    dear.observe_level(30.0)  # a draft level costing 3/4 of a verification: the first token needs p > 0.75
-    dear.observe_verify(40.0)
-    assert dear.more(math.log(0.8), 0) and not dear.more(math.log(0.7), 0)
+    # the first token costs only its verified row once the draft model has caught up: drafted when
+    # P_1 (c + V(1)) > dV, i.e. p > (10/3) / (10 + 30) here
+    assert costs.more(math.log(0.1), 0) and not costs.more(math.log(0.05), 0)
     assert ChainCosts(max_depth=2).more(0.0, 2) is False  # never past the cap
+
+
+def test_drafting_at_all_follows_what_each_kind_of_step_gave():
+    """ChainCosts.draft_now: drafting first, then a plain step; afterwards whichever kind gave more
+    tokens per ms, the other tried every ``explore_every`` steps, that wait doubling (to
+    ``max_backoff``) while it stays the worse."""
+    from ddspec.draft.model import ChainCosts
+
+    costs = ChainCosts(max_depth=4)
+    choices = []
+    for _ in range(200):
+        choices.append(costs.draft_now())
+        costs.observe_step(2, 100.0) if costs.drafting else costs.observe_step(1, 40.0)  # plain: 1/40 > 2/100
+    assert choices[:2] == [True, False]
+    tries = [i for i, c in enumerate(choices) if c][1:]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:3] == [16, 32, 64] and max(gaps) == 64  # 8 x 2, 8 x 4, 8 x 8, then 8 x 8 each time
+    assert sum(choices) < 12
+    fast = ChainCosts(max_depth=4)
+    picks = []
+    for _ in range(100):
+        picks.append(fast.draft_now())
+        fast.observe_step(3, 100.0) if fast.drafting else fast.observe_step(1, 40.0)  # drafted: 3/100 > 1/40
+    assert sum(picks) > 85
+
+
+def test_plain_steps_leave_the_draft_cache_behind_and_a_catch_up_feeds_them(tiny_targets, tiny_dirs, monkeypatch):
+    """The ddspec method with a draft model: a step that does not draft runs no draft forward; the
+    next drafted step's catch-up feeds every skipped token; the output is plain decoding's."""
+    from ddspec.draft.model import ChainCosts
+
+    target = tiny_targets[("llama", "native")]
+    stop = StopConfig(max_new_tokens=24, stop_on_eos=False)
+    turn = iter(range(10**6))
+    monkeypatch.setattr(ChainCosts, "draft_now", lambda self: setattr(self, "drafting", next(turn) % 3 == 0) or self.drafting)
+    d = _drafter("ddspec@m", target, tiny_dirs["llama"])
+    fed = []
+    catch_up = d._catch_up
+    monkeypatch.setattr(d, "_catch_up", lambda position: fed.append(position + 1 - d._kept) or catch_up(position))
+    res = Engine(target, d).generate(PROMPTS[0], stop)
+    assert res.token_ids == Engine(target).generate(PROMPTS[0], stop).token_ids
+    steps = res.stats.steps
+    assert sum(s.tree_size > 1 for s in steps) > 0 and sum(s.tree_size == 1 for s in steps) > len(steps) // 2
+    assert len(fed) < len(steps) and max(fed[1:]) >= 2  # several tokens fed at once after plain steps

@@ -39,7 +39,8 @@ HEADS_DIR = Path(__file__).parent / "heads"
 DRAFT_MODEL_METHOD = "chain"  # what --method auto runs with --draft-model and no head
 # the heads shipped with ddspec, by target name
 SHIPPED_HEADS = {"SmolLM2-135M-Instruct": HEADS_DIR / "smollm2-135m-instruct",
-                 "Qwen2.5-Coder-0.5B-Instruct": HEADS_DIR / "qwen2.5-coder-0.5b-instruct"}
+                 "Qwen2.5-Coder-0.5B-Instruct": HEADS_DIR / "qwen2.5-coder-0.5b-instruct",
+                 "Qwen2.5-Coder-1.5B-Instruct": HEADS_DIR / "qwen2.5-coder-1.5b-instruct"}
 
 
 _SIZED = re.compile(r"(?:d(?P<depth>\d+))?(?:k(?P<top_k>\d+))?(?:n(?P<total_tokens>\d+))?"
@@ -105,14 +106,14 @@ def name_key(name: str) -> str:
 
 def shipped_head(info) -> Path | None:
     """The head ddspec ships for a target (its ModelInfo), or None: found by the target's name, or by
-    its published name (a GGUF's general.name, a config's _name_or_path, the folder's name) starting
-    with a shipped head's model name, so that any quantisation of that model finds it ("Qwen2.5 Coder
-    0.5B Instruct AWQ" -> the Qwen2.5-Coder-0.5B-Instruct head). Loading it checks the shapes."""
+    its published name (a GGUF's general.name, a config's _name_or_path, the folder's name) or its
+    file's name starting with a shipped head's model name, so that any quantisation of that model
+    finds it ("Qwen2.5 Coder 0.5B Instruct AWQ" -> the Qwen2.5-Coder-0.5B-Instruct head). Loading it
+    checks the shapes."""
     folder = SHIPPED_HEADS.get(info.name)
-    if folder is None:
-        published = name_key(Path(info.published).name) if info.published else ""
-        folder = next((f for model, f in SHIPPED_HEADS.items() if published and published.startswith(name_key(model))),
-                      None)
+    if folder is None:  # the published name, else the file's or folder's name ("SmolLM2-135M-Instruct.Q4_1.gguf")
+        keys = [name_key(Path(n).name) for n in (info.published, info.name) if n]
+        folder = next((f for k in keys for model, f in SHIPPED_HEADS.items() if k.startswith(name_key(model))), None)
     return folder if folder is not None and (folder / "config.json").is_file() else None
 
 

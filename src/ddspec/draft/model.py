@@ -122,6 +122,8 @@ class DraftModelDrafter(Drafter):
         room = min(self.target.info.max_position, self.draft.info.max_position) - 1 - position
         if room < 1:
             return DraftTree.root_only(root)
+        if self.costs is not None and not self.costs.draft_now():
+            return DraftTree.root_only(root)  # the draft cache stays behind: the next catch-up feeds the rest
         first = self._catch_up(position)
         if self.costs is not None:
             return self._chain(int(root), position, first, min(self.costs.max_depth, room), self.costs)
@@ -132,6 +134,7 @@ class DraftModelDrafter(Drafter):
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         if self.costs is not None:
             self.costs.observe_verify(verify_ms + gap_ms, tree_size)
+            self.costs.observe_step(tokens, draft_ms + verify_ms + gap_ms)
 
     @torch.inference_mode()
     def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int,
@@ -188,16 +191,28 @@ class DraftModelDrafter(Drafter):
 
 
 class ChainCosts:
-    """When another drafted token pays, from costs measured on this machine (the ddspec method with a
-    draft model): a chain of k drafts is expected to give E_k = 1 + p_1 + p_1 p_2 + ... tokens for
-    T_k = k c + V(k + 1) ms, where p_i is the draft model's probability of its i-th token (its
-    confidence), c one draft level and V(n) a step's verification of n nodes with the step's other
-    work (both running means of this drafter's own steps; V a line fitted to the mean time of each
-    size seen). Drafting one more token raises E / T exactly when its chance of being reached and
-    accepted, P = p_1 ... p_k+1, exceeds E_k (c + V(k + 2) - V(k + 1)) / T_k: the chain stops where the
-    draft's confidence falls below what a level and a verified row cost against what a step yields.
-    Dynamic Depth Decoding's idea for a chain, priced by this machine's measured costs instead of a
-    fixed threshold. Before the first measurements the chain is ``start`` tokens long."""
+    """Whether to draft at all, and how far, from costs measured on this machine (the ddspec method with a
+    draft model).
+
+    Whether: drafting costs a catch-up forward of the draft model before its first token is known,
+    so the choice is made on what this drafter's own steps of each kind gave (tokens per ms of
+    drafted steps against steps that verified the root alone, running sums); the worse kind is
+    tried again every ``explore_every`` steps, the wait doubling up to ``max_backoff`` times while
+    it stays worse. A plain step leaves the draft cache behind: the next catch-up feeds the skipped
+    tokens in one forward.
+
+    How far: a chain of k drafts is expected to give E_k = 1 + p_1 + p_1 p_2 + ... tokens for
+    T_k = max(k, 1) c + V(k + 1) ms, where p_i is the draft model's probability of its i-th token
+    (its confidence), c one draft forward (the catch-up gives the first token's) and V(n) a step's
+    verification of n nodes with the step's other work (running means of this drafter's own steps;
+    V a line fitted to the mean time of each size seen). Drafting one more token raises E / T
+    exactly when its chance of being reached and accepted, P = p_1 ... p_k+1, exceeds E_k (a + dV) / T_k,
+    with a = c past the first token and 0 for it: the chain stops where the draft's confidence falls
+    below what a level and a verified row cost against what a step yields. Dynamic Depth Decoding's
+    idea for a chain, priced by this machine's measured costs instead of a fixed threshold. Before
+    the first measurements the chain is ``start`` tokens long."""
+
+    explore_every, max_backoff, rate_decay = 8, 8, 0.9
 
     def __init__(self, max_depth: int, start: int = 4, weight: float = 0.1) -> None:
         self.max_depth, self.start, self.weight = max_depth, start, weight
@@ -205,9 +220,34 @@ class ChainCosts:
         self.verify_by_size: dict[int, float] = {}  # nodes verified -> mean ms of the step's verification and rest
         self._line: tuple[float, float] | None = None  # V(n) = a + b n
         self._expected = 1.0
+        self.drafting = True  # this step's choice (draft_now)
+        self._rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, ms of drafted steps; tokens, ms of plain steps
+        self._best: bool | None = None
+        self._since, self._backoff = 0, 1
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.weight * (new - old)
+
+    def draft_now(self) -> bool:
+        """Draft this step (catch the draft model up), or verify the root alone? See the class docstring."""
+        drafted_tokens, drafted_ms, plain_tokens, plain_ms = self._rates
+        if drafted_ms == 0.0 or plain_ms == 0.0:  # each kind tried first, drafting first
+            self.drafting = drafted_ms == 0.0
+            return self.drafting
+        best = drafted_tokens / drafted_ms >= plain_tokens / plain_ms
+        if best != self._best:
+            self._best, self._since, self._backoff = best, 0, 1
+        self._since += 1
+        self.drafting = best
+        if self._since >= self.explore_every * self._backoff:
+            self.drafting, self._since = not best, 0
+            self._backoff = min(2 * self._backoff, self.max_backoff)
+        return self.drafting
+
+    def observe_step(self, tokens: int, ms: float) -> None:
+        """A step's tokens and whole time (draft, verification, the rest), for the kind it was."""
+        r, i = self._rates, 0 if self.drafting else 2
+        r[i], r[i + 1] = r[i] * self.rate_decay + tokens, r[i + 1] * self.rate_decay + ms
 
     def observe_level(self, ms: float) -> None:
         self.level_ms = self._mean(self.level_ms, ms)
@@ -229,7 +269,8 @@ class ChainCosts:
         return a + b * nodes
 
     def more(self, logp: float, level: int) -> bool:
-        """Whether to draft the token at depth ``level + 1`` whose cumulative draft log-prob is ``logp``."""
+        """Whether to draft the token at depth ``level + 1`` whose cumulative draft log-prob is ``logp``
+        (the draft model caught up: the first token's log-probs came with it)."""
         if level == 0:
             self._expected = 1.0
         if level >= self.max_depth:
@@ -238,8 +279,8 @@ class ChainCosts:
         if self.level_ms is None or self._line is None:
             go = level < self.start
         else:
-            total_ms = level * self.level_ms + self.verify_ms(level + 1)
-            added_ms = self.level_ms + self._line[1]
+            total_ms = max(level, 1) * self.level_ms + self.verify_ms(level + 1)
+            added_ms = (self.level_ms if level else 0.0) + self._line[1]
             go = p * total_ms > added_ms * self._expected
         if go:
             self._expected += p
