@@ -308,7 +308,6 @@ class Arm:
     label: str
     client: Client
     method: str | None
-    batch: int | None = None  # ddspec's `serve --batch`; None: a server started elsewhere or llama.cpp's
     ours: bool = False  # the server reports ddspec's usage fields
 
 
@@ -328,7 +327,7 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
         for method in methods:
             warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
             label = method if len(args.batch) == 1 else f"{method} (batch {b})"
-            arms.append(Arm(label, client, method, b, warm.tau is not None))
+            arms.append(Arm(label, client, method, warm.tau is not None))
     if args.llama_server:
         arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url), None))
         arms[-1].client.chat([{"role": "user", "content": "Hello!"}], 8)
