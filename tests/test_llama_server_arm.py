@@ -28,6 +28,8 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         self._send(200, {{"status": "ok"}})
     def do_POST(self):
+        sys.stderr.write("x" * 100000 + "\nserved " + self.path + "\n")  # llama-server logs every request
+        sys.stderr.flush()
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert req["cache_prompt"] is False and req["temperature"] == 0.0 and req["return_tokens"] is True
         prompt = req["prompt"]
@@ -52,7 +54,8 @@ def fake_server(tmp_path):
 def test_the_arm_sends_prompt_ids_and_reads_llama_cpps_own_timings(fake_server, tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    arm = LlamaServerArm(fake_server, gguf, eos_ids=(2,), max_position=64, threads=2)
+    # a log larger than a pipe holds must not stall the server (it did, once 16 slots had logged 64 KiB)
+    arm = LlamaServerArm(fake_server, gguf, eos_ids=(2,), max_position=64, threads=2, request_timeout=20.0)
     try:
         plain = arm.generate([1, 2, 3], max_new_tokens=5)
         assert plain.output_ids == [100, 101, 102, 103, 104] and plain.finish_reason == "length"
@@ -62,6 +65,7 @@ def test_the_arm_sends_prompt_ids_and_reads_llama_cpps_own_timings(fake_server, 
         assert stopped.output_ids == [5, 6, 2] and stopped.finish_reason == "eos"  # EOS counted, as every arm does
         assert stopped.wall_s == pytest.approx(0.030) and stopped.decoding is None  # no predicted_n: not reported
         assert len(arm.generate(list(range(60)), max_new_tokens=50).output_ids) == 4  # the context window's budget
+        assert arm.log_tail(1) == ["served /completion"]
     finally:
         arm.close()
     assert arm.proc.poll() is not None

@@ -167,6 +167,57 @@ def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
     assert "the reuse chat is skipped" in captured.err and "| vanilla | 2 | 3 |" in captured.out
 
 
+def test_bench_serve_reports_a_stuck_server_as_errors_and_keeps_each_completed_level(tmp_path, capsys):
+    """A server that stops answering costs one request its --request-timeout and gives an error in its
+    row, not a hang; the levels measured before it are already in --out when the next one starts."""
+    import http.server
+    import threading
+
+    out, seen, partial = tmp_path / "bench", [], []
+
+    class Stuck(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(1)
+            if len(seen) == 4:  # a warm-up, 2 at the first load level, then the first at the second: stall
+                partial.append(json.loads((out / "results.json").read_text()))
+                partial.append((out / "summary.md").read_text())
+                time.sleep(3)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': 'x'}}]})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status = main(["bench-serve", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--methods", "vanilla",
+                       "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4", "--reuse-trials", "0",
+                       "--request-timeout", "1", "--out", str(out)])
+    finally:
+        server.shutdown()
+    assert status == 1  # a row with errors
+    assert partial[0]["complete"] is False and [r["concurrency"] for r in partial[0]["rows"]] == [1]
+    final = json.loads((out / "results.json").read_text())
+    assert final["complete"] is True
+    assert [(r["requests"], r["errors"]) for r in final["rows"]] == [(2, 0), (1, 1)]
+    assert "timed out" in final["rows"][1]["first_error"]
+    assert "incomplete: concurrency 1 measured so far" in partial[1]
+    assert "incomplete" not in (out / "summary.md").read_text()
+
+
 FAKE_LLAMA = r'''#!{python}
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

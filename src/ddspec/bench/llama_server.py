@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,27 +48,39 @@ class LlamaServerArm:
     (``ddspec bench-serve``'s)."""
 
     def __init__(self, binary: Path, gguf: Path, eos_ids: tuple[int, ...], max_position: int, threads: int,
-                 start_timeout: float = 120.0, slots: int = 1, extra_args: tuple[str, ...] = ()) -> None:
+                 start_timeout: float = 120.0, slots: int = 1, extra_args: tuple[str, ...] = (),
+                 request_timeout: float = 600.0) -> None:
         """extra_args: more llama-server flags (its speculative decoding: ``-md DRAFT.gguf``, ``--spec-type
-        ngram-simple``; see :data:`ddspec.bench.runner.LLAMA_CPP_MODES`)."""
-        self.eos_ids, self.max_position = set(eos_ids), max_position
+        ngram-simple``; see :data:`ddspec.bench.runner.LLAMA_CPP_MODES`); request_timeout: seconds a
+        generation may take before it is reported as an error."""
+        self.eos_ids, self.max_position, self.request_timeout = set(eos_ids), max_position, request_timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = min(max_position, 8192)
+        # its log goes to a file, never to a pipe: llama-server logs every request, and once a pipe
+        # nobody reads is full (64 KiB, a few dozen requests with 16 slots) its next log line blocks
+        # the server, and every client waits forever
+        self.log = tempfile.TemporaryFile(mode="w+", prefix="llama-server-", suffix=".log")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx * slots),
              "-np", str(slots), "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         atexit.register(self.close)  # never leave a server behind, whatever ends the bench
         deadline = time.monotonic() + start_timeout
         while not self._healthy():
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() or "").strip().splitlines()[-3:]
+                err = self.log_tail(3)
                 raise DdspecError(f"llama-server exited with code {self.proc.returncode}: {' | '.join(err)}")
             if time.monotonic() > deadline:
                 self.close()
                 raise DdspecError(f"llama-server did not become ready within {start_timeout:.0f} s")
             time.sleep(0.2)
+
+    def log_tail(self, lines: int) -> list[str]:
+        """The last ``lines`` lines the server logged."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().strip().splitlines()[-lines:]
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 600.0) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -89,7 +102,8 @@ class LlamaServerArm:
         budget = min(max_new_tokens, self.max_position - len(prompt_ids))
         status, out = self._request("POST", "/completion", {
             "prompt": list(prompt_ids), "n_predict": budget, "temperature": 0.0, "top_k": 1, "top_p": 1.0,
-            "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "return_tokens": True, "stream": False})
+            "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": False, "return_tokens": True, "stream": False},
+            timeout=self.request_timeout)
         if status != 200:
             raise DdspecError(f"llama-server answered {status}: {out.get('error', out)}")
         ids = [int(t) for t in out.get("tokens", [])]
@@ -104,12 +118,15 @@ class LlamaServerArm:
         return Generation(ids, wall, finish, None, decoding)
 
     def close(self) -> None:
+        if getattr(self, "proc", None) is None:  # its start failed
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()
 
     def __del__(self) -> None:
         self.close()

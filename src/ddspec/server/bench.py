@@ -50,9 +50,10 @@ class Sample:
 
 
 class Client:
-    def __init__(self, url: str, api_key: str | None = None) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        """timeout: seconds a request may wait for the server's next bytes before it counts as an error."""
         parts = urlsplit(url)
-        self.host, self.port = parts.hostname, parts.port or 80
+        self.host, self.port, self.timeout = parts.hostname, parts.port or 80, timeout
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -73,7 +74,7 @@ class Client:
                 "stream_options": {"include_usage": True}, "ddspec": {"prefix_reuse": prefix_reuse}}
         if method:
             body["ddspec"]["method"] = method
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=3600)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             t0 = time.perf_counter()
             conn.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
@@ -234,7 +235,11 @@ def add_bench_parser(sub) -> None:
                         "per method for each value: 1,16 compares one request at a time with batches of 16 "
                         "(default 1)")
     p.add_argument("--api-key", default=None, help="the running server's key (with --url)")
-    p.add_argument("--out", default=None, help="folder for summary.md and results.json")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a request may wait for the server's next bytes; a request that waits longer "
+                        "counts as an error of its row (default 600)")
+    p.add_argument("--out", default=None,
+                   help="folder for summary.md and results.json, rewritten as each load level completes")
     add_model_args(p)
     add_tree_args(p)
     p.set_defaults(handler=cmd_bench_serve)
@@ -250,9 +255,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for m in methods:
         split_method(m)
     if (args.requests < 1 or args.max_tokens < 1 or args.chat_max_tokens < 1 or args.reuse_trials < 0 or args.slots < 1
-            or args.repeats < 1):
+            or args.repeats < 1 or not args.request_timeout > 0):
         raise DdspecError("--requests, --max-tokens, --chat-max-tokens, --slots and --repeats must be >= 1, "
-                          "--reuse-trials >= 0")
+                          "--reuse-trials >= 0, --request-timeout > 0")
     if args.llama_server and (Path(args.model).suffix != ".gguf" or not Path(args.model).expanduser().is_file()):
         raise DdspecError(f"--llama-server measures llama.cpp on the same GGUF file: give --model FILE.gguf, not {args.model}")
     prompts = load_prompt_file(resolve_prompt_sources([args.prompts])[0])
@@ -267,7 +272,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         arms, health = _open_arms(args, methods, stack)
         runs: dict[tuple[str, int], list[dict]] = {}
-        for c in args.concurrency:  # every arm at this load, in turn, --repeats times: drift hits them alike
+        for i, c in enumerate(args.concurrency):  # every arm at this load, in turn, --repeats times
             for rep in range(args.repeats):
                 for arm in arms:
                     r = dict(load_run(arm.client, arm.method, c, firsts, args.requests, args.max_tokens),
@@ -277,6 +282,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                           + f": {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tokens/s, p50 "
                           f"{r['p50_latency_s']:.3f} s, p99 {r['p99_latency_s']:.3f} s, errors {r['errors']}",
                           file=sys.stderr)
+            if args.out and i + 1 < len(args.concurrency):  # what is measured so far survives a stopped run
+                _write_out(args, arms, runs, args.concurrency[:i + 1], {}, health, complete=False)
         reuse = {}
         if args.reuse_trials:
             ours = [a for a in arms if a.ours]
@@ -285,21 +292,28 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                       "chat is skipped", file=sys.stderr)
             else:
                 reuse = reuse_run(ours[-1].client, ours[-1].method, two_turns, args.chat_max_tokens, args.reuse_trials)
-    rows = [median_run(runs[(a.label, c)]) for a in arms for c in args.concurrency]
-    url = args.url or "a local server"
-    header = (f"ddspec bench-serve: model {health.get('model', url)}, prompts {args.prompts} (first turns, greedy, "
-              f"{args.max_tokens} tokens), {args.requests} requests per row"
-              + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
-              + f", {time.strftime('%Y-%m-%d %H:%M')}")
-    text = report(rows, reuse, header, paired_ratios(arms, runs, args.concurrency))
+    text, rows = _write_out(args, arms, runs, args.concurrency, reuse, health, complete=True)
     print(text)
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: list[int], reuse: dict, health: dict,
+               complete: bool) -> tuple[str, list[dict]]:
+    """The report of the load levels measured so far (to --out when given)."""
+    rows = [median_run(runs[(a.label, c)]) for a in arms for c in levels]
+    header = (f"ddspec bench-serve: model {health.get('model', args.url or 'a local server')}, prompts {args.prompts} "
+              f"(first turns, greedy, {args.max_tokens} tokens), {args.requests} requests per row"
+              + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
+              + f", {time.strftime('%Y-%m-%d %H:%M')}"
+              + ("" if complete else f" (incomplete: concurrency {','.join(map(str, levels))} measured so far)"))
+    text = report(rows, reuse, header, paired_ratios(arms, runs, levels))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.md").write_text(text)
-        (out / "results.json").write_text(json.dumps({"rows": rows, "reuse": reuse, "args": {
+        (out / "results.json").write_text(json.dumps({"rows": rows, "reuse": reuse, "complete": complete, "args": {
             k: v for k, v in vars(args).items() if k != "handler" and k != "api_key"}}, indent=2, default=str))
-    return 1 if any(r["errors"] for r in rows) else 0
+    return text, rows
 
 
 @dataclass(slots=True)
@@ -322,14 +336,14 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
             live = _start_server(args, methods, b)
             stack.callback(live.stop)
             url = live.url
-        client = Client(url, args.api_key)
+        client = Client(url, args.api_key, args.request_timeout)
         health = client.get("/health")
         for method in methods:
             warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
             label = method if len(args.batch) == 1 else f"{method} (batch {b})"
             arms.append(Arm(label, client, method, warm.tau is not None))
     if args.llama_server:
-        arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url), None))
+        arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url, timeout=args.request_timeout), None))
         arms[-1].client.chat([{"role": "user", "content": "Hello!"}], 8)
     return arms, health
 
