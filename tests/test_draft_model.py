@@ -182,6 +182,23 @@ def test_drafting_at_all_follows_what_each_kind_of_step_gave():
     assert sum(picks) > 85
 
 
+def test_a_backlog_catch_up_counts_as_one_draft_level():
+    """The first drafted step feeds the draft model the whole prompt, one after plain steps every
+    token they skipped: the rates count such a catch-up as one draft level, since drafting pays it
+    once per switch, not once per step."""
+    from ddspec.draft.model import ChainCosts
+
+    costs = ChainCosts(max_depth=4)
+    costs.draft_now()
+    costs.observe_step(3, 200.0, backlog_ms=150.0)  # no level measured yet: the step as it was
+    assert costs.choice.rates[:2] == [3, 200.0]
+    costs.observe_level(10.0)
+    costs.observe_step(3, 200.0, backlog_ms=150.0)  # 140 ms of backlog taken off
+    assert costs.choice.rates[:2] == [0.9 * 3 + 3, 0.9 * 200.0 + 60.0]
+    costs.observe_step(3, 200.0)
+    assert costs.choice.rates[1] == 0.9 * (0.9 * 200.0 + 60.0) + 200.0
+
+
 def test_plain_steps_leave_the_draft_cache_behind_and_a_catch_up_feeds_them(tiny_targets, tiny_dirs, monkeypatch):
     """The ddspec method with a draft model: a step that does not draft runs no draft forward; the
     next drafted step's catch-up feeds every skipped token; the output is plain decoding's."""
@@ -200,3 +217,13 @@ def test_plain_steps_leave_the_draft_cache_behind_and_a_catch_up_feeds_them(tiny
     steps = res.stats.steps
     assert sum(s.tree_size > 1 for s in steps) > 0 and sum(s.tree_size == 1 for s in steps) > len(steps) // 2
     assert len(fed) < len(steps) and max(fed[1:]) >= 2  # several tokens fed at once after plain steps
+    assert fed[0] > 2  # the prompt: counted as a backlog (a drafted step leaves 1 or 2 tokens to feed)
+    backlogs, fed2 = [], fed[len(fed):]  # (drafted, backlog_ms) per step; tokens each catch-up fed
+    monkeypatch.setattr(d, "_catch_up", lambda position: fed2.append(position + 1 - d._kept) or catch_up(position))
+    observe = d.costs.observe_step
+    monkeypatch.setattr(d.costs, "observe_step", lambda t, ms, backlog_ms=None: backlogs.append(
+        (d.costs.drafting, backlog_ms)) or observe(t, ms, backlog_ms))
+    Engine(target, d).generate(PROMPTS[0], stop)
+    drafted = [b for kind, b in backlogs if kind]
+    assert drafted[0] > 0 and len(drafted) > 2  # the prompt's catch-up, then those after plain steps
+    assert all((b is not None) == (n > 2) for b, n in zip(drafted, fed2))

@@ -136,6 +136,27 @@ def test_ddspec_never_runs_the_head_while_drafting_does_not_pay(tiny_targets, mo
     assert not ran and drafter.cache.length == 0
 
 
+def test_a_resumed_sequence_takes_in_only_the_kept_prefix_of_the_plain_steps(tiny_targets, monkeypatch):
+    """A server's next request keeps a prefix of the previous sequence (prefix reuse), often none: the
+    head takes in the pending plain steps up to that prefix, not the whole previous generation."""
+    from test_spec_engine import eagle
+
+    target = tiny_targets[("llama", "native")]
+    drafter = eagle(target, "ddspec")
+    monkeypatch.setattr(drafter.cost_policy, "draft_now", lambda chain=None: False)
+    prompt, stop = PROMPTS[0], StopConfig(max_new_tokens=40, stop_on_eos=False)
+    Engine(target, drafter).generate(prompt, stop)
+    rows, run = [], drafter._run
+    monkeypatch.setattr(drafter, "_run", lambda features, tokens, *a: rows.append(tokens.numel())
+                        or run(features, tokens, *a))
+    pending = list(drafter._pending)
+    drafter.resume(128, 0)  # nothing kept: nothing to take in
+    assert rows == [] and drafter.cache.length == 0 and drafter._pending == []
+    drafter._pending[:] = pending
+    drafter.resume(128, len(prompt) + 2)  # the prompt and the first two plain steps (one token each)
+    assert rows == [len(prompt) + 2] and drafter.cache.length == len(prompt) + 2
+
+
 def test_ddspec_drafted_trees_carry_the_lookup_chain(tiny_targets, monkeypatch):
     """When the cost-aware method drafts with the head, the lookup's chain (if the context's ending
     occurred before) is merged into the tree: outputs stay identical to plain decoding, the merged

@@ -235,7 +235,15 @@ class EagleDrafter(Drafter):
             self.lookup.reset(max_length)
 
     def resume(self, max_length: int, length: int) -> None:
-        self._flush_pending()  # the kept prefix may include plain steps' positions
+        # the kept prefix may include plain steps' positions: the head takes in those, not the rest
+        # (a server's next request keeps a prefix of the last one's sequence, often none of it)
+        covered, needed = self.cache.length, 0
+        for entry in self._pending:
+            if covered >= length:
+                break
+            covered, needed = covered + entry[2].numel(), needed + 1
+        del self._pending[needed:]
+        self._flush_pending()
         self.cache.reserve(max_length + self._max_draft_slots())
         self.cache.truncate(length)
         self._committed = length

@@ -27,6 +27,7 @@ from ddspec.draft.eagle import DraftSlots
 from ddspec.errors import ConfigError, DdspecError
 from ddspec.models.base import TargetOutput
 from ddspec.tree import DraftTree, make_depth_policy
+from ddspec.tree.choice import RateChoice
 from ddspec.tree.host import HostCandidates
 from ddspec.verify import Verdict
 
@@ -63,6 +64,7 @@ class DraftModelDrafter(Drafter):
         self.vocab = min(target.info.vocab_size, draft.info.vocab_size)  # rows past it are padding
         self.tokens: list[int] = []  # committed tokens by position, then the current root
         self._kept = 0  # draft-cache entries that hold committed tokens (the rest are fed again)
+        self._long_catch_up_ms: float | None = None  # this step's catch-up, where it fed a backlog (_catch_up)
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -109,11 +111,16 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _catch_up(self, position: int) -> torch.Tensor:
-        """Feed the committed tokens the draft cache lacks and the root; the root's log-probs [V]."""
+        """Feed the committed tokens the draft cache lacks and the root; the root's log-probs [V].
+        A catch-up longer than a drafted step leaves behind (the prompt, or the tokens of plain
+        steps) is noted in ``_long_catch_up_ms``: the pricing counts it as a steady one."""
         start = self._kept
         new = torch.tensor(self.tokens[start: position + 1], dtype=torch.int64)
+        t0 = time.perf_counter()
         out = self.draft.forward(new.to(self.device), torch.arange(start, position + 1, device=self.device),
                                  last_logits=True)
+        if self.costs is not None and len(new) > 2:  # after a drafted step: its last draft and the bonus token
+            self._long_catch_up_ms = (time.perf_counter() - t0) * 1e3
         self._kept = position + 1
         return self._logprobs(out.logits[-1])
 
@@ -134,7 +141,8 @@ class DraftModelDrafter(Drafter):
     def observe_step(self, tokens: int, tree_size: int, draft_ms: float, verify_ms: float, gap_ms: float) -> None:
         if self.costs is not None:
             self.costs.observe_verify(verify_ms + gap_ms, tree_size)
-            self.costs.observe_step(tokens, draft_ms + verify_ms + gap_ms)
+            self.costs.observe_step(tokens, draft_ms + verify_ms + gap_ms, self._long_catch_up_ms)
+            self._long_catch_up_ms = None
 
     @torch.inference_mode()
     def _chain(self, root: int, position: int, logprobs: torch.Tensor, depth: int,
@@ -212,7 +220,7 @@ class ChainCosts:
     idea for a chain, priced by this machine's measured costs instead of a fixed threshold. Before
     the first measurements the chain is ``start`` tokens long."""
 
-    explore_every, max_backoff, rate_decay = 8, 8, 0.9
+    explore_every, max_backoff, rate_decay = 8, 8, 0.9  # the draft-or-not choice (RateChoice)
 
     def __init__(self, max_depth: int, start: int = 4, weight: float = 0.1) -> None:
         self.max_depth, self.start, self.weight = max_depth, start, weight
@@ -221,33 +229,25 @@ class ChainCosts:
         self._line: tuple[float, float] | None = None  # V(n) = a + b n
         self._expected = 1.0
         self.drafting = True  # this step's choice (draft_now)
-        self._rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, ms of drafted steps; tokens, ms of plain steps
-        self._best: bool | None = None
-        self._since, self._backoff = 0, 1
+        self.choice = RateChoice(self.explore_every, 1, self.max_backoff, self.rate_decay)
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.weight * (new - old)
 
     def draft_now(self) -> bool:
         """Draft this step (catch the draft model up), or verify the root alone? See the class docstring."""
-        drafted_tokens, drafted_ms, plain_tokens, plain_ms = self._rates
-        if drafted_ms == 0.0 or plain_ms == 0.0:  # each kind tried first, drafting first
-            self.drafting = drafted_ms == 0.0
-            return self.drafting
-        best = drafted_tokens / drafted_ms >= plain_tokens / plain_ms
-        if best != self._best:
-            self._best, self._since, self._backoff = best, 0, 1
-        self._since += 1
-        self.drafting = best
-        if self._since >= self.explore_every * self._backoff:
-            self.drafting, self._since = not best, 0
-            self._backoff = min(2 * self._backoff, self.max_backoff)
+        self.drafting = self.choice.choose()
         return self.drafting
 
-    def observe_step(self, tokens: int, ms: float) -> None:
-        """A step's tokens and whole time (draft, verification, the rest), for the kind it was."""
-        r, i = self._rates, 0 if self.drafting else 2
-        r[i], r[i + 1] = r[i] * self.rate_decay + tokens, r[i + 1] * self.rate_decay + ms
+    def observe_step(self, tokens: int, ms: float, backlog_ms: float | None = None) -> None:
+        """A step's tokens and whole time (draft, verification, the rest), for the kind it was.
+        backlog_ms: the time of a catch-up that fed more than a drafted step leaves behind (the
+        prompt after prefill, the tokens of the plain steps before it): drafting pays it once per
+        switch, not per step, so the rates count it as one draft level (the time of the catch-up
+        itself while no level was measured)."""
+        if backlog_ms is not None and self.level_ms is not None:
+            ms -= max(0.0, backlog_ms - self.level_ms)
+        self.choice.observe(self.drafting, tokens, ms)
 
     def observe_level(self, ms: float) -> None:
         self.level_ms = self._mean(self.level_ms, ms)

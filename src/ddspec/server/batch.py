@@ -24,8 +24,9 @@ sizes its tree to maximise the batch's expected tokens per second rather than it
 ``CostAwarePolicy.batch``): as more sequences share a forward, a drafted node's extra row costs the
 whole batch, and trees shrink; they grow back as the load falls. Over that, the worker measures
 the batch's tokens per second with drafting allowed and with it held back, per number of running
-sequences, and holds drafting back where that has been faster (trying the other choice a few steps
-in every 64), so that speculation never costs the batch what it does not give back.
+sequences, and holds drafting back where that has been faster (trying the other choice for 4 steps
+after 64, that wait doubling to 512 while it stays the worse: tree/choice.py), so that speculation
+costs the batch little where it does not pay.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ddspec.engine import Chunk, Engine, Forward, Request
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
 from ddspec.server.worker import EngineWorker, Job, kept_drafter
+from ddspec.tree.choice import RateChoice
 
 log = logging.getLogger("ddspec.server")
 
@@ -88,9 +90,7 @@ class BatchWorker(EngineWorker):
         self.model = target
         self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
         # measured tokens per second of steps with drafting allowed / held back, per number of sequences:
-        # decayed sums [tokens on, s on, tokens off, s off] (see _choose_drafting)
-        self._rates: dict[int, list[float]] = {}
-        self._steps = 0
+        self._choices: dict[int, RateChoice] = {}  # per count of sequences: drafting allowed or not (_choose_drafting)
         self._step_tokens = 0
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
@@ -236,29 +236,27 @@ class BatchWorker(EngineWorker):
             if not job.cancelled.is_set():
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
-    explore_every, explore_steps, rate_decay = 64, 4, 0.95  # see _choose_drafting
+    explore_every, explore_steps, max_backoff, rate_decay = 64, 4, 8, 0.95  # see _choose_drafting
 
     def _choose_drafting(self, active: list[Slot]) -> bool:
         """Whether the cost-aware slots may draft this step: with several sequences, whichever of
         drafting allowed / held back has given more tokens per second at this many sequences (each
-        tried first; the other again for ``explore_steps`` of every ``explore_every`` steps). Alone,
-        the slot's own policy decides as it does outside a batch."""
-        self._steps += 1
+        tried first; the other again for ``explore_steps`` steps after every ``explore_every``, that
+        wait doubling up to ``max_backoff`` times while it stays the worse: a try of the worse kind
+        costs the whole batch). Alone, the slot's own policy decides as it does outside a batch."""
         n = len(active)
         if n < 2 or not any(s.policy is not None for s in active):
             return True
-        on_tokens, on_s, off_tokens, off_s = self._rates.setdefault(n, [0.0, 0.0, 0.0, 0.0])
-        if on_s == 0.0 or off_s == 0.0:
-            return on_s == 0.0
-        best = on_tokens / on_s >= off_tokens / off_s
-        return best != (self._steps % self.explore_every < self.explore_steps)
+        choice = self._choices.get(n)
+        if choice is None:
+            choice = self._choices[n] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
+                                                   self.rate_decay)
+        return choice.choose()
 
     def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if n < 2 or n not in self._rates or tokens == 0:
+        if n < 2 or n not in self._choices or tokens == 0:
             return
-        r, d = self._rates[n], self.rate_decay
-        i = 0 if drafting else 2
-        r[i], r[i + 1] = r[i] * d + tokens, r[i + 1] * d + seconds
+        self._choices[n].observe(drafting, tokens, seconds)
 
     def _tell_policies(self, ready: list[Slot], drafting: bool = True) -> None:
         """Each cost-aware slot learns what the others add to the coming step (rows, expected tokens, draft ms)."""

@@ -1,0 +1,45 @@
+"""Draft or not, from what each kind of step gave: the choice shared by the draft model's priced chain
+(draft/model.py) and the batch worker (server/batch.py).
+
+Drafting is worth its cost only where drafted steps give more tokens per unit of time than plain
+steps, and which does depends on things a forecast leaves out (a catch-up forward of the draft
+model, the Python around a batch of rows). :class:`RateChoice` keeps decayed sums of the tokens and
+time of each kind as measured, picks the kind with the better rate, and tries the other again now
+and then so that its estimate does not go stale: ``explore_steps`` steps after every
+``explore_every``, the wait doubling (up to ``max_backoff`` times) while the other kind stays the
+worse. Before both kinds have a measurement it drafts first, then takes a plain step.
+"""
+
+from __future__ import annotations
+
+
+class RateChoice:
+    def __init__(self, explore_every: int, explore_steps: int = 1, max_backoff: int = 8, decay: float = 0.9) -> None:
+        self.explore_every, self.explore_steps, self.max_backoff, self.decay = (explore_every, explore_steps,
+                                                                                max_backoff, decay)
+        self.rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, time of drafted steps; tokens, time of plain steps
+        self._best: bool | None = None
+        self._since, self._backoff, self._exploring = 0, 1, 0
+
+    def choose(self) -> bool:
+        """True: draft this step; False: a plain step."""
+        drafted_tokens, drafted_time, plain_tokens, plain_time = self.rates
+        if drafted_time == 0.0 or plain_time == 0.0:  # each kind tried first, drafting first
+            return drafted_time == 0.0
+        best = drafted_tokens / drafted_time >= plain_tokens / plain_time
+        if best != self._best:
+            self._best, self._since, self._backoff, self._exploring = best, 0, 1, 0
+        if self._exploring:
+            self._exploring -= 1
+            return not best
+        self._since += 1
+        if self._since >= self.explore_every * self._backoff:
+            self._since, self._exploring = 0, self.explore_steps - 1
+            self._backoff = min(2 * self._backoff, self.max_backoff)
+            return not best
+        return best
+
+    def observe(self, drafted: bool, tokens: float, time: float) -> None:
+        """A step's tokens and time, for the kind it was."""
+        r, i = self.rates, 0 if drafted else 2
+        r[i], r[i + 1] = r[i] * self.decay + tokens, r[i + 1] * self.decay + time
