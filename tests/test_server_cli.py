@@ -110,6 +110,7 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
         assert r["requests"] == 3 and r["errors"] == 0 and r["tokens_per_s"] > 0
         assert r["p99_latency_s"] >= r["p50_latency_s"] > 0 and r["requests_per_s"] > 0
         assert r["runs"] == 2 and min(r["tokens_per_s_runs"]) == r["tokens_per_s"]  # the lower middle of two
+        assert r["same_as_solo"] == "6/6"  # greedy: every answer of every run equals the one-client answer
     reuse = results["reuse"]
     assert reuse["method"] == "eagle2@d3k2n4" and reuse["history_tokens"] > 60
     # the tiny tokenizer spells its <extra_N> tokens as text, so the history re-tokenizes differently
@@ -161,7 +162,7 @@ def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
         server.shutdown()
     assert status == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [(r["requests"], r["errors"], r["tau"]) for r in rows] == [(3, 0, None), (3, 0, None)]
+    assert [(r["requests"], r["errors"], r["tau"], r["same_as_solo"]) for r in rows] == [(3, 0, None, None)] * 2
     assert all(r["tokens_per_s"] > 0 for r in rows)
     captured = capsys.readouterr()
     assert "the reuse chat is skipped" in captured.err and "| vanilla | 2 | 3 |" in captured.out

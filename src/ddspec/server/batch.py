@@ -156,7 +156,9 @@ class BatchWorker(EngineWorker):
                 s.pending.seconds = seconds
                 s.pending, value = None, out
                 self._advance(s, value)
-            self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step)
+            # a step that also prefilled a prompt chunk says little about drafting: it is not learned from
+            prefill = any(c[5] for c in calls)
+            self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step, prefill)
 
     def _begin(self, slot: Slot, job: Job) -> bool:
         """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
@@ -253,8 +255,10 @@ class BatchWorker(EngineWorker):
                                                    self.rate_decay)
         return choice.choose()
 
-    def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if n < 2 or n not in self._choices or tokens == 0:
+    def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float, prefill: bool = False) -> None:
+        """The step's tokens and seconds for the choice at ``n`` sequences, unless it ran a prefill chunk
+        (whose rows cost the step much and give no token: whichever choice met it would look worse)."""
+        if n < 2 or n not in self._choices or tokens == 0 or prefill:
             return
         self._choices[n].observe(drafting, tokens, seconds)
 

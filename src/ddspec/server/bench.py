@@ -14,7 +14,10 @@ one); ``--batch 1,16`` starts one per value. With ``--llama-server PATH`` llama.
 ``llama.cpp``). All servers start first, and at each concurrency level the arms take turns (each
 idles while another is measured), ``--repeats`` times, so that a drift in the machine's speed hits
 them alike; a row is the median run, and each method is also given as a run-by-run ratio to
-vanilla on the same server (speculation on / off at that load).
+vanilla on the same server (speculation on / off at that load). Column "= solo": how many of a row's
+answers (all its runs) equal the first arm's answer to the same prompt in its first run at the first
+concurrency (with ``--batch 1`` first and ``--concurrency 1`` first: each answer decoded alone);
+greedy decoding under load is lossless when they all do (ddspec's servers only).
 Clients are threads with plain ``http.client``, which cost little next to decoding.
 """
 
@@ -116,11 +119,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def load_run(client: Client, method: str, concurrency: int, prompts: list[str], requests: int,
              max_tokens: int) -> dict:
-    """``requests`` chat requests by ``concurrency`` client threads; returns the aggregate row."""
+    """``requests`` chat requests by ``concurrency`` client threads; returns the aggregate row (with
+    ``answers``: request number -> its text, for the comparison with the solo answers)."""
     todo = iter(range(requests))
     lock = threading.Lock()
     samples: list[Sample] = []
     errors: list[str] = []
+    answers: dict[int, str] = {}
 
     def client_loop():
         while True:
@@ -136,6 +141,7 @@ def load_run(client: Client, method: str, concurrency: int, prompts: list[str], 
                 continue
             with lock:
                 samples.append(s)
+                answers[i] = s.text
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
@@ -152,7 +158,7 @@ def load_run(client: Client, method: str, concurrency: int, prompts: list[str], 
             "p99_latency_s": round(percentile(lat, 0.99), 4),
             "p50_ttft_s": round(statistics.median([s.ttft_s for s in samples] or [float("nan")]), 4),
             "tau": _mean_or_none([s.tau for s in samples]),
-            "first_error": errors[0] if errors else ""}
+            "first_error": errors[0] if errors else "", "answers": answers}
 
 
 def _mean_or_none(values: list) -> float | None:
@@ -182,11 +188,12 @@ def reuse_run(client: Client, method: str, turns: tuple[str, str], max_tokens: i
 
 def report(rows: list[dict], reuse: dict, header: str, ratios: list[str] = ()) -> str:
     lines = [header, "", "| method | concurrency | requests | req/s | tokens/s | p50 latency s | p99 latency s | "
-                         "p50 TTFT s | τ | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                         "p50 TTFT s | τ | = solo | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['requests']} | {r['requests_per_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['p50_latency_s']:.3f} | {r['p99_latency_s']:.3f} | "
-                     f"{r['p50_ttft_s']:.3f} | {'—' if r['tau'] is None else format(r['tau'], '.2f')} | {r['errors']} |")
+                     f"{r['p50_ttft_s']:.3f} | {'—' if r['tau'] is None else format(r['tau'], '.2f')} | "
+                     f"{r.get('same_as_solo') or '—'} | {r['errors']} |")
     if ratios:
         lines += [""] + [f"- {line}" for line in ratios]
     if reuse:
@@ -300,7 +307,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: list[int], reuse: dict, health: dict,
                complete: bool) -> tuple[str, list[dict]]:
     """The report of the load levels measured so far (to --out when given)."""
-    rows = [median_run(runs[(a.label, c)]) for a in arms for c in levels]
+    solo = runs[(arms[0].label, levels[0])][0]["answers"]  # the first arm's first run, one client
+    rows = [dict(median_run(runs[(a.label, c)]), same_as_solo=_same_as(solo, runs[(a.label, c)]) if a.ours else None)
+            for a in arms for c in levels]
+    for r in rows:
+        r.pop("answers")
     header = (f"ddspec bench-serve: model {health.get('model', args.url or 'a local server')}, prompts {args.prompts} "
               f"(first turns, greedy, {args.max_tokens} tokens), {args.requests} requests per row"
               + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
@@ -346,6 +357,13 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
         arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url, timeout=args.request_timeout), None))
         arms[-1].client.chat([{"role": "user", "content": "Hello!"}], 8)
     return arms, health
+
+
+def _same_as(solo: dict[int, str], runs: list[dict]) -> str:
+    """How many answers of every run equal the solo answer to the same prompt ("k/n"; greedy
+    decoding is lossless under load when k = n)."""
+    pairs = [(text, solo[i]) for r in runs for i, text in r["answers"].items() if i in solo]
+    return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
 
 
 def median_run(runs: list[dict]) -> dict:

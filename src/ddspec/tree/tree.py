@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 
+_ROOT_ONLY: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # DraftTree.root_only
+
+
 @dataclass(frozen=True, eq=False)  # eq on tensors is ambiguous: compare fields instead
 class DraftTree:
     """Root + drafted nodes. Invariants are checked on construction (one host sync)."""
@@ -77,10 +80,15 @@ class DraftTree:
 
     @classmethod
     def root_only(cls, token: int | torch.Tensor) -> DraftTree:
-        """The tree of plain decoding: the root alone."""
+        """The tree of plain decoding: the root alone. Its parents, depths and scores are shared
+        constants per device (no tree is written in place): plain steps build one per sequence and
+        step, and on a CPU each small tensor costs microseconds of Python."""
         tokens = torch.as_tensor(token, dtype=torch.int64).reshape(1)  # [1]
-        zeros = torch.zeros(1, dtype=torch.int64, device=tokens.device)  # [1]
-        return cls._built(tokens, zeros - 1, zeros, torch.zeros(1, device=tokens.device))
+        shape = _ROOT_ONLY.get(tokens.device)
+        if shape is None:
+            zeros = torch.zeros(1, dtype=torch.int64, device=tokens.device)
+            shape = _ROOT_ONLY[tokens.device] = (zeros - 1, zeros, torch.zeros(1, device=tokens.device))
+        return cls._built(tokens, *shape)
 
     @classmethod
     def host_chain(cls, tokens: list[int], device: torch.device | None = None) -> DraftTree:
