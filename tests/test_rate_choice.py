@@ -16,8 +16,8 @@ def play(choice: RateChoice, steps: int, drafted: tuple[float, float], plain: tu
 def test_windows_of_the_worse_kind_grow_apart_while_it_stays_worse():
     picks = play(RateChoice(explore_every=64, explore_steps=4, max_backoff=8, decay=0.95), 3000,
                  drafted=(20.0, 0.2), plain=(16.0, 0.1))  # plain: 160 tokens/s against drafting's 100
-    assert picks[:2] == [True, False]  # each kind first, drafting first
-    starts = [i for i in range(3, len(picks)) if picks[i] and not picks[i - 1]]
+    assert picks[:8] == [True] * 4 + [False] * 4  # 4 steps of each kind first, drafting first
+    starts = [i for i in range(9, len(picks)) if picks[i] and not picks[i - 1]]
     assert all(picks[s:s + 4] == [True] * 4 and not picks[s + 4] for s in starts)  # windows of 4 steps
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     # each wait (64 x 2, x 4, x 8, then x 8) counts the steps after a window of 4

@@ -7,7 +7,8 @@ model, the Python around a batch of rows). :class:`RateChoice` keeps decayed sum
 time of each kind as measured, picks the kind with the better rate, and tries the other again now
 and then so that its estimate does not go stale: ``explore_steps`` steps after every
 ``explore_every``, the wait doubling (up to ``max_backoff`` times) while the other kind stays the
-worse. Before both kinds have a measurement it drafts first, then takes a plain step.
+worse. It starts with ``explore_steps`` measured steps of each kind, drafted ones first: one
+step of each is a poor sample where step times vary (a batch's sequences come and go).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ class RateChoice:
         self.explore_every, self.explore_steps, self.max_backoff, self.decay = (explore_every, explore_steps,
                                                                                 max_backoff, decay)
         self.rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, time of drafted steps; tokens, time of plain steps
+        self.tried = [0, 0]  # drafted, plain steps measured
         self._best: bool | None = None
         self._since, self._backoff, self._exploring = 0, 1, 0
 
     def choose(self) -> bool:
         """True: draft this step; False: a plain step."""
+        if min(self.tried) < self.explore_steps:  # each kind tried first, drafting first
+            return self.tried[0] < self.explore_steps
         drafted_tokens, drafted_time, plain_tokens, plain_time = self.rates
-        if drafted_time == 0.0 or plain_time == 0.0:  # each kind tried first, drafting first
-            return drafted_time == 0.0
         best = drafted_tokens / drafted_time >= plain_tokens / plain_time
         if best != self._best:
             self._best, self._since, self._backoff, self._exploring = best, 0, 1, 0
@@ -43,3 +45,4 @@ class RateChoice:
         """A step's tokens and time, for the kind it was."""
         r, i = self.rates, 0 if drafted else 2
         r[i], r[i + 1] = r[i] * self.decay + tokens, r[i + 1] * self.decay + time
+        self.tried[i // 2] += 1
