@@ -187,7 +187,9 @@ def test_requests_are_values_the_engine_keeps_none_of(tiny_targets):
 @needs_kernels
 def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monkeypatch):
     """The batch worker's choice between drafting and plain steps learns from each step's tokens per
-    second, except from steps that also ran a prompt's prefill chunk (rows that give no token)."""
+    second, except from steps that also ran a prompt's prefill chunk (rows that give no token) and
+    from steps where it chose nothing (no sequence with a cost-aware policy: plain decoding's steps
+    would count as steps with drafting allowed)."""
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     from ddspec.models.loading import load_target
@@ -195,23 +197,28 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
     from ddspec.server.build import LiveServer, make_service
 
     target = load_target(str(tiny_dirs["llama"]), impl="native")
-    forwards, learned = [], []
+    last, learned = [None], []
     forward_many = target.forward_many
-    monkeypatch.setattr(target, "forward_many", lambda calls: forwards.append(any(c[5] for c in calls))
+    monkeypatch.setattr(target, "forward_many", lambda calls: last.__setitem__(0, any(c[5] for c in calls))
                         or forward_many(calls))
     learn = BatchWorker._learn_rate
     monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
-        (n, prefill)) or learn(self, n, d, tokens, s, prefill))
+        (n, prefill, last[0])) or learn(self, n, d, tokens, s, prefill))
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=200, batch=4)) as url:
         client = openai.OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        forwards.clear(), learned.clear()  # the warm-up's
-        threads = [threading.Thread(target=client.completions.create, kwargs=dict(
-            model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=200, temperature=0)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert [p for _, p in learned] == forwards  # each step's learning was told whether it prefilled
-    assert any(forwards) and not all(forwards)
-    assert any(n >= 2 and not p for n, p in learned)  # steps of several sequences were learned from
+
+        def load(method: str) -> None:
+            threads = [threading.Thread(target=client.completions.create, kwargs=dict(
+                model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=200, temperature=0,
+                extra_body={"ddspec": {"method": method}})) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        load("vanilla")
+        assert learned == []  # plain decoding alone: nothing to choose, nothing learned
+        load("ddspec")
+    assert all(told == ran for _, told, ran in learned)  # each step's learning was told whether it prefilled
+    assert any(told for _, told, _ in learned) and any(n >= 2 and not told for n, told, _ in learned)

@@ -31,3 +31,11 @@ def test_the_better_kind_wins_and_a_change_of_costs_is_followed():
     assert sum(picks[2:]) > 0.9 * 198
     later = play(choice, 400, drafted=(3.0, 200.0), plain=(1.0, 40.0))  # drafting got dearer: plain wins
     assert sum(later[-100:]) < 10
+
+
+def test_a_margin_keeps_the_kind_in_use_until_the_other_is_clearly_better():
+    choice = RateChoice(explore_every=8, margin=0.05, decay=0.5)
+    play(choice, 2, drafted=(10.0, 1.0), plain=(10.0, 1.0))
+    assert sum(play(choice, 100, drafted=(10.0, 1.0), plain=(10.3, 1.0))) >= 95  # 3% better: drafting stays
+    assert sum(play(choice, 300, drafted=(10.0, 1.0), plain=(11.0, 1.0))[-100:]) <= 3  # 10% better: plain
+    assert sum(play(choice, 300, drafted=(10.3, 1.0), plain=(10.0, 1.0))[-100:]) <= 3  # 3% worse: plain stays

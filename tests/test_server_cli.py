@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,35 +126,45 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert summary in capsys.readouterr().out
 
 
+class OpenAIStandIn(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server that is not ddspec, for bench-serve's --url: /health answers ok,
+    subclasses answer POSTs (``stream`` sends chat chunks without usage)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"status": "ok"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def stream(self, pieces):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for piece in pieces:
+            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def serve_in_thread(handler) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
     """--url of an OpenAI-compatible server that is not ddspec (llama.cpp's server streams no ddspec
     usage fields, and its /health names no model): its tokens are counted from the stream, τ is
     reported as unknown and the prefix-reuse chat is skipped, with a line saying so."""
-    import http.server
-    import threading
-
-    class Foreign(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            body = json.dumps({"status": "ok"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Foreign(OpenAIStandIn):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            for piece in ("It", " is", " blue", "."):
-                self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+            self.stream(("It", " is", " blue", "."))
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_in_thread(Foreign)
     try:
         out = tmp_path / "bench"
         status = main(["bench-serve", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--methods", "vanilla",
@@ -171,22 +183,9 @@ def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
 def test_bench_serve_reports_a_stuck_server_as_errors_and_keeps_each_completed_level(tmp_path, capsys):
     """A server that stops answering costs one request its --request-timeout and gives an error in its
     row, not a hang; the levels measured before it are already in --out when the next one starts."""
-    import http.server
-    import threading
-
     out, seen, partial = tmp_path / "bench", [], []
 
-    class Stuck(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            body = json.dumps({"status": "ok"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
+    class Stuck(OpenAIStandIn):
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
             seen.append(1)
@@ -195,14 +194,9 @@ def test_bench_serve_reports_a_stuck_server_as_errors_and_keeps_each_completed_l
                 partial.append((out / "summary.md").read_text())
                 time.sleep(3)
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(f"data: {json.dumps({'choices': [{'delta': {'content': 'x'}}]})}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+            self.stream(("x",))
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_in_thread(Stuck)
     try:
         status = main(["bench-serve", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--methods", "vanilla",
                        "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4", "--reuse-trials", "0",

@@ -23,10 +23,10 @@ slots add to the step (their rows, expected tokens and draft time, from their pr
 sizes its tree to maximise the batch's expected tokens per second rather than its own (see
 ``CostAwarePolicy.batch``): as more sequences share a forward, a drafted node's extra row costs the
 whole batch, and trees shrink; they grow back as the load falls. Over that, the worker measures
-the batch's tokens per second with drafting allowed and with it held back, per number of running
-sequences, and holds drafting back where that has been faster (trying the other choice for 4 steps
-after 64, that wait doubling to 512 while it stays the worse: tree/choice.py), so that speculation
-costs the batch little where it does not pay.
+the batch's tokens per second with drafting allowed and with it held back, per load class (2, 3-4,
+5-8, 9-16, ... sequences), and holds drafting back where that has been faster by 5% (trying the
+other choice for 4 steps after 64, that wait doubling to 512 while it stays the worse:
+tree/choice.py), so that speculation costs the batch little where it does not pay.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class BatchWorker(EngineWorker):
         self.model = target
         self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
         # measured tokens per second of steps with drafting allowed / held back, per number of sequences:
-        self._choices: dict[int, RateChoice] = {}  # per count of sequences: drafting allowed or not (_choose_drafting)
+        self._choices: dict[int, RateChoice] = {}  # per load class: drafting allowed or not (_choose_drafting)
         self._step_tokens = 0
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
@@ -133,7 +133,8 @@ class BatchWorker(EngineWorker):
                     active.append(free.pop(0))
             self.busy = bool(active)
             t_step, self._step_tokens = time.perf_counter(), 0
-            drafting = self._choose_drafting(active)
+            choice = self._choose_drafting(active)
+            drafting = choice is not False
             self._tell_policies(active, drafting)
             for slot in active:
                 self._advance(slot, None)
@@ -158,7 +159,8 @@ class BatchWorker(EngineWorker):
                 self._advance(s, value)
             # a step that also prefilled a prompt chunk says little about drafting: it is not learned from
             prefill = any(c[5] for c in calls)
-            self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step, prefill)
+            if choice is not None:
+                self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step, prefill)
 
     def _begin(self, slot: Slot, job: Job) -> bool:
         """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
@@ -238,29 +240,38 @@ class BatchWorker(EngineWorker):
             if not job.cancelled.is_set():
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
-    explore_every, explore_steps, max_backoff, rate_decay = 64, 4, 8, 0.95  # see _choose_drafting
+    explore_every, explore_steps, max_backoff, rate_decay, margin = 64, 4, 8, 0.95, 0.05  # see _choose_drafting
 
-    def _choose_drafting(self, active: list[Slot]) -> bool:
+    def _choose_drafting(self, active: list[Slot]) -> bool | None:
         """Whether the cost-aware slots may draft this step: with several sequences, whichever of
         drafting allowed / held back has given more tokens per second at this many sequences (each
         tried first; the other again for ``explore_steps`` steps after every ``explore_every``, that
         wait doubling up to ``max_backoff`` times while it stays the worse: a try of the worse kind
-        costs the whole batch). Alone, the slot's own policy decides as it does outside a batch."""
+        costs the whole batch). None: no choice to make (one sequence, whose own policy decides as
+        outside a batch, or none with a cost-aware policy): such steps are not learned from, or plain
+        decoding's steps would count as steps with drafting allowed."""
         n = len(active)
         if n < 2 or not any(s.policy is not None for s in active):
-            return True
-        choice = self._choices.get(n)
+            return None
+        choice = self._choices.get(self._load(n))
         if choice is None:
-            choice = self._choices[n] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
-                                                   self.rate_decay)
+            choice = self._choices[self._load(n)] = RateChoice(self.explore_every, self.explore_steps,
+                                                               self.max_backoff, self.rate_decay, self.margin)
         return choice.choose()
+
+    @staticmethod
+    def _load(n: int) -> int:
+        """The load class of ``n`` sequences: 2, 3-4, 5-8, 9-16, ... (sizes whose steps cost alike
+        share their measurements: 16 clients keep 13-16 sequences running, each count seen too
+        seldom for rates of its own)."""
+        return 1 << (n - 1).bit_length()
 
     def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float, prefill: bool = False) -> None:
         """The step's tokens and seconds for the choice at ``n`` sequences, unless it ran a prefill chunk
         (whose rows cost the step much and give no token: whichever choice met it would look worse)."""
-        if n < 2 or n not in self._choices or tokens == 0 or prefill:
+        if n < 2 or self._load(n) not in self._choices or tokens == 0 or prefill:
             return
-        self._choices[n].observe(drafting, tokens, seconds)
+        self._choices[self._load(n)].observe(drafting, tokens, seconds)
 
     def _tell_policies(self, ready: list[Slot], drafting: bool = True) -> None:
         """Each cost-aware slot learns what the others add to the coming step (rows, expected tokens, draft ms)."""

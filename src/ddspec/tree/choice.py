@@ -15,9 +15,13 @@ from __future__ import annotations
 
 
 class RateChoice:
-    def __init__(self, explore_every: int, explore_steps: int = 1, max_backoff: int = 8, decay: float = 0.9) -> None:
+    def __init__(self, explore_every: int, explore_steps: int = 1, max_backoff: int = 8, decay: float = 0.9,
+                 margin: float = 0.0) -> None:
+        """margin: the kind in use stays until the other's rate is better by this fraction (noisy
+        rates otherwise flip the choice back and forth)."""
         self.explore_every, self.explore_steps, self.max_backoff, self.decay = (explore_every, explore_steps,
                                                                                 max_backoff, decay)
+        self.margin = margin
         self.rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, time of drafted steps; tokens, time of plain steps
         self.tried = [0, 0]  # drafted, plain steps measured
         self._best: bool | None = None
@@ -28,7 +32,8 @@ class RateChoice:
         if min(self.tried) < self.explore_steps:  # each kind tried first, drafting first
             return self.tried[0] < self.explore_steps
         drafted_tokens, drafted_time, plain_tokens, plain_time = self.rates
-        best = drafted_tokens / drafted_time >= plain_tokens / plain_time
+        drafted, plain = drafted_tokens / drafted_time, plain_tokens / plain_time
+        best = drafted >= plain * (1.0 + self.margin) if self._best is False else drafted * (1.0 + self.margin) >= plain
         if best != self._best:
             self._best, self._since, self._backoff, self._exploring = best, 0, 1, 0
         if self._exploring:
