@@ -89,8 +89,8 @@ class BatchWorker(EngineWorker):
             raise DdspecError("--batch needs the native target (a model of a native family, --impl native)")
         self.model = target
         self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
-        # measured tokens per second of steps with drafting allowed / held back, per number of sequences:
-        self._choices: dict[int, RateChoice] = {}  # per load class: drafting allowed or not (_choose_drafting)
+        # measured tokens per second of steps with drafting allowed / held back, per load class (_choose_drafting)
+        self._choices: dict[int, RateChoice] = {}
         self._step_tokens = 0
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
@@ -244,7 +244,7 @@ class BatchWorker(EngineWorker):
 
     def _choose_drafting(self, active: list[Slot]) -> bool | None:
         """Whether the cost-aware slots may draft this step: with several sequences, whichever of
-        drafting allowed / held back has given more tokens per second at this many sequences (each
+        drafting allowed / held back has given more tokens per second at this load class (each
         tried first; the other again for ``explore_steps`` steps after every ``explore_every``, that
         wait doubling up to ``max_backoff`` times while it stays the worse: a try of the worse kind
         costs the whole batch). None: no choice to make (one sequence, whose own policy decides as
@@ -267,8 +267,9 @@ class BatchWorker(EngineWorker):
         return 1 << (n - 1).bit_length()
 
     def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float, prefill: bool = False) -> None:
-        """The step's tokens and seconds for the choice at ``n`` sequences, unless it ran a prefill chunk
-        (whose rows cost the step much and give no token: whichever choice met it would look worse)."""
+        """The step's tokens and seconds for the choice at the load class of ``n`` sequences, unless it
+        ran a prefill chunk (whose rows cost the step much and give no token: whichever choice met it
+        would look worse)."""
         if n < 2 or self._load(n) not in self._choices or tokens == 0 or prefill:
             return
         self._choices[self._load(n)].observe(drafting, tokens, seconds)
