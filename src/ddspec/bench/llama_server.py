@@ -58,7 +58,7 @@ class LlamaServerArm:
         self.url = f"http://127.0.0.1:{self.port}"
         ctx = min(max_position, 8192)
         # its log goes to a file, never to a pipe: llama-server logs every request, and once a pipe
-        # nobody reads is full (64 KiB, a few dozen requests with 16 slots) its next log line blocks
+        # nobody reads is full (64 KiB: about a hundred requests) its next log line blocks
         # the server, and every client waits forever
         self.log = tempfile.TemporaryFile(mode="w+", prefix="llama-server-", suffix=".log")
         self.proc = subprocess.Popen(

@@ -253,10 +253,11 @@ class BatchWorker(EngineWorker):
         n = len(active)
         if n < 2 or not any(s.policy is not None for s in active):
             return None
-        choice = self._choices.get(self._load(n))
+        load = self._load(n)
+        choice = self._choices.get(load)
         if choice is None:
-            choice = self._choices[self._load(n)] = RateChoice(self.explore_every, self.explore_steps,
-                                                               self.max_backoff, self.rate_decay, self.margin)
+            choice = self._choices[load] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
+                                                      self.rate_decay, self.margin)
         return choice.choose()
 
     @staticmethod
@@ -270,9 +271,9 @@ class BatchWorker(EngineWorker):
         """The step's tokens and seconds for the choice at the load class of ``n`` sequences, unless it
         ran a prefill chunk (whose rows cost the step much and give no token: whichever choice met it
         would look worse)."""
-        if n < 2 or self._load(n) not in self._choices or tokens == 0 or prefill:
-            return
-        self._choices[self._load(n)].observe(drafting, tokens, seconds)
+        choice = self._choices.get(self._load(n))  # made by _choose_drafting for this step's load
+        if choice is not None and tokens and not prefill:
+            choice.observe(drafting, tokens, seconds)
 
     def _tell_policies(self, ready: list[Slot], drafting: bool = True) -> None:
         """Each cost-aware slot learns what the others add to the coming step (rows, expected tokens, draft ms)."""

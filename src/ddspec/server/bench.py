@@ -307,7 +307,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: list[int], reuse: dict, health: dict,
                complete: bool) -> tuple[str, list[dict]]:
     """The report of the load levels measured so far (to --out when given)."""
-    solo = runs[(arms[0].label, levels[0])][0]["answers"]  # the first arm's first run, one client
+    solo = runs[(arms[0].label, levels[0])][0]["answers"]  # the first arm's first run at the first load
     rows = [dict(median_run(runs[(a.label, c)]), same_as_solo=_same_as(solo, runs[(a.label, c)]) if a.ours else None)
             for a in arms for c in levels]
     for r in rows:
