@@ -222,3 +222,80 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
         load("ddspec")
     assert all(told == ran for _, told, ran in learned)  # each step's learning was told whether it prefilled
     assert any(told for _, told, _ in learned) and any(n >= 2 and not told for n, told, _ in learned)
+
+
+def test_the_outbox_wakes_each_loop_once_per_flush_and_keeps_each_jobs_order():
+    """A batching worker's step emits an event per sequence: they reach their handlers' loop in one
+    call, each job's events in the order sent, and nothing is delivered before the flush."""
+    import asyncio
+
+    from ddspec.server.worker import Job, Outbox
+
+    loop = asyncio.new_event_loop()
+    calls = []
+    soon = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: calls.append(a) or soon(*a)
+    try:
+        outbox = Outbox()
+        jobs = [Job([1], None, SamplingConfig(), "vanilla", False, False, loop, outbox=outbox) for _ in range(3)]
+        for i in range(4):
+            for j, job in enumerate(jobs):
+                job.send("chunk", (j, i))
+        jobs[1].send("done", None)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert calls == [] and all(job.events.empty() for job in jobs)
+        outbox.flush()
+        outbox.flush()  # nothing left: no second wake-up
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(calls) == 1
+        got = [[job.events.get_nowait() for _ in range(job.events.qsize())] for job in jobs]
+        assert got[0] == [("chunk", (0, i)) for i in range(4)]
+        assert got[1] == [("chunk", (1, i)) for i in range(4)] + [("done", None)]
+        loop.close()
+        outbox.put(jobs[0], ("chunk", None))
+        outbox.flush()  # a closed loop: its events are dropped, no error
+    finally:
+        if not loop.is_closed():
+            loop.close()
+
+
+@needs_kernels
+def test_drafting_held_back_in_stretches_keeps_every_token(tiny_targets):
+    """The batch worker holds a cost-aware slot's drafting back for some steps (root-only steps, no
+    lookup search) and allows it in others: the head catches up over the held-back steps' rows and
+    the lookup over their tokens, and the tokens are plain decoding's."""
+    from ddspec.draft.lookup import LookupDrafter
+    from test_spec_engine import plain
+
+    model = tiny_targets[("llama", "native")]
+    prompt, n = [40, 41, 42] * 10 + [5, 17], 60
+    want = plain(model, prompt, n).token_ids
+    target = model.session()
+    drafter = eagle(target, "ddspec")
+    drafter.lookup = LookupDrafter(min_ngram=1, max_position=model.info.max_position)
+    policy = drafter.cost_policy
+    steps = Engine(target, drafter).steps(prompt, StopConfig(max_new_tokens=n, stop_on_eos=False))
+    out, value, rows = [], None, []
+    while True:
+        held = (len(rows) // 4) % 2 == 0  # four steps held back, four allowed, ...
+        policy.plain_only = held
+        try:
+            item = steps.send(value) if value is not None else next(steps)
+        except StopIteration:
+            break
+        value = None
+        if isinstance(item, Chunk):
+            out += item.token_ids
+            continue
+        if item.last_logits:  # the prompt's prefill
+            rows.append(None)
+        else:
+            rows.append((held, item.tokens.numel()))
+        value = model.forward_many([(target, item.tokens, item.positions, item.mask, item.hidden_layers,
+                                     item.last_logits)])[0]
+    assert out == want
+    steps_run = [r for r in rows if r is not None]
+    assert all(size == 1 for held, size in steps_run if held)
+    # it drafted after held-back stretches (each drafted step checks that the head caught up to the target)
+    assert any(size > 1 for held, size in steps_run if not held)
+    assert drafter.lookup.tokens[:len(prompt) + n] == prompt + want

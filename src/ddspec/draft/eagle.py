@@ -277,10 +277,10 @@ class EagleDrafter(Drafter):
                 self.cost_policy.observe_chain(self.lookup.order, tree.size - 1, verdict.accepted)
             # the raw forward only (not its logits): the committed rows are picked, the head's input
             # features computed and the context vocabulary told, for all pending steps at once
-            path = verdict.path
-            nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])  # a lookup chain's accepted tokens too
+            path = verdict.path if tree.size > 1 else None  # (the root's row alone: the forward's only row)
+            nxt = verdict.bonus.view(1) if path is None else torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
             self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), path, nxt,
-                                  True))
+                                  True))  # (a lookup chain's accepted tokens too)
             return
         if self.cost_policy is not None and tree.size > 1:
             n = self._head_nodes  # the acceptance map learns from the head's nodes only
@@ -332,7 +332,9 @@ class EagleDrafter(Drafter):
         # a node at depth d sits at position + d, which must stay inside the context window
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
-        self._chain = [] if self.lookup is None else self.lookup.continuation()  # merged into a drafted tree
+        held_back = self.cost_policy is not None and self.cost_policy.plain_only  # by a batch: no chain either
+        # merged into a drafted tree (a held-back step skips the search: the lookup indexes its tokens later)
+        self._chain = [] if self.lookup is None or held_back else self.lookup.continuation()
         if self._chain and self.cost_policy is not None:  # as many of its tokens as pay on this machine
             self._chain = self._chain[:self.cost_policy.chain_length(self.lookup.order, len(self._chain))]
         chain = None if self.lookup is None else bool(self._chain)

@@ -119,4 +119,6 @@ class LookupDrafter(Drafter):
         return DraftTree.host_chain([int(root)] + list(drafts), device)
 
     def observe(self, tree: DraftTree, verdict: Verdict, target_out: TargetOutput) -> None:
-        self.tokens += tree.tokens[verdict.path[1:]].tolist() + [int(verdict.bonus)]
+        if tree.size > 1:  # (a plain step's tree is its root alone: no tensor op for it)
+            self.tokens += tree.tokens[verdict.path[1:]].tolist()
+        self.tokens.append(int(verdict.bonus))

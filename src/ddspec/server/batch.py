@@ -38,7 +38,7 @@ import time
 from ddspec.engine import Chunk, Engine, Forward, Request
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
-from ddspec.server.worker import EngineWorker, Job, kept_drafter
+from ddspec.server.worker import EngineWorker, Job, Outbox, kept_drafter
 from ddspec.tree.choice import RateChoice
 
 log = logging.getLogger("ddspec.server")
@@ -92,6 +92,7 @@ class BatchWorker(EngineWorker):
         # measured tokens per second of steps with drafting allowed / held back, per load class (_choose_drafting)
         self._choices: dict[int, RateChoice] = {}
         self._step_tokens = 0
+        self._outbox = Outbox()  # the step's events, handed to the handlers' loops once per step
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
         self._thread.name = "ddspec-batch"
@@ -116,6 +117,7 @@ class BatchWorker(EngineWorker):
     def _run(self) -> None:
         stopping = False
         while True:
+            self._outbox.flush()  # the last step's events (before any wait for a job)
             active = [s for s in self.slots if s.job is not None]
             if stopping and not active:
                 return
@@ -167,6 +169,7 @@ class BatchWorker(EngineWorker):
         if job.cancelled.is_set():
             self._release(job)
             return False
+        job.outbox = self._outbox
         try:
             if job.prepare is not None:
                 job.prompt_ids, job.stop = job.prepare()
