@@ -835,18 +835,19 @@ class NativeLlama:
             return [s.forward(t, p, m, h, last) for s, t, p, m, h, last in calls]
         from ddspec.native import layers_forward_seqs
 
-        xs, pos, seqs = [], [], []
+        ids, pos, seqs = [], [], []
         for s, tokens, positions, mask, _, _ in calls:
             cache, n = s.cache, tokens.shape[-1]
             cache.check_room(n)
             full = expand_mask(mask, cache.length, n, self.device)
             local = window_mask(full, positions, cache.length, self.arch.window)
-            xs.append(self.embed(tokens.to(self.device)).view(n, -1))
+            ids.append(tokens.reshape(-1))
             pos.append(positions.to(self.device, torch.int64))
             seqs.append((cache.keys[:, 0], cache.values[:, 0], n, cache.length,
                          None if full is None else full.to(torch.bool).contiguous(),
                          None if local is None else local.to(torch.bool).contiguous()))
-        x, positions = torch.cat(xs).contiguous(), torch.cat(pos).contiguous()
+        # every sequence's embeddings in one lookup (rows alike: each gets the bits of its own)
+        x, positions = self.embed(torch.cat(ids).to(self.device)).contiguous(), torch.cat(pos).contiguous()
         wanted = set().union(*(c[4] for c in calls))
         capture = {i: torch.empty_like(x) for i in wanted if 0 <= i < self.arch.num_layers}
         layers_forward_seqs(self._layer_array, x, positions, self.rotary.cos, self.rotary.sin, seqs,
