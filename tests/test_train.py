@@ -349,6 +349,20 @@ def test_training_time_test_and_held_out_selection(tmp_path, capsys):
     assert "training-time test: 2 passes" in card and f"the head of step {state['best']['step']}" in card
 
 
+def test_a_fit_does_not_resume_over_other_data(tmp_path, capsys):
+    """A finished fit's state names how many sequences it trained on: after the data grows (or the
+    held-out share changes) a rerun is refused with the warm start to use instead, not resumed."""
+    out = tmp_path / "run"
+    assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0
+    fit = ["train", "fit", "--tiny", "--out", str(out), "--threads", "1", "--val-sequences", "2"]
+    assert main(fit) == 0
+    assert main(fit) == 0  # the same data: resumes (nothing left to do)
+    capsys.readouterr()
+    assert main(fit[:-1] + ["4"]) != 0
+    err = capsys.readouterr().err
+    assert "train_state.pt" in err and "--init-from" in err and "Traceback" not in err
+
+
 def test_bad_training_options_are_refused(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "data", "--tiny", "--out", str(out), "--threads", "1"]) == 0

@@ -332,13 +332,22 @@ class HeadTrainer:
                     "capture_layers": list(getattr(self.head, "capture_layers", ())),
                     "opt": self.opt.state_dict(), "step": self.step,
                     "wall_s": self.wall_s, "history": self.history, "settings": asdict(self.settings),
-                    "torch_rng": torch.get_rng_state(), "best": self.best}, tmp)
+                    "torch_rng": torch.get_rng_state(), "best": self.best, "sequences": len(self.sequences)}, tmp)
         tmp.replace(self.state_path())
 
     def try_resume(self) -> bool:
         if not self.state_path().is_file():
             return False
         state = torch.load(self.state_path(), weights_only=False)
+        trained = state.get("sequences")
+        if trained is not None and trained != len(self.sequences):
+            from ddspec.errors import DdspecError
+
+            raise DdspecError(
+                f"{self.state_path()} holds a fit over {trained} training sequences, and the run's data now gives "
+                f"{len(self.sequences)} (it grew, or --val-sequences changed): resuming would continue that fit's "
+                f"schedule on other data. To train on the new data from the head it made, move train_state.pt "
+                f"aside and run `ddspec train fit ... --init-from {self.out_dir / 'head'}` (a warm start)")
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.wall_s, self.history = state["step"], state["wall_s"], state["history"]
