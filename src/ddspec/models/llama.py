@@ -858,7 +858,8 @@ class NativeLlama:
             s.cache.advance(n)
             rows.append((at, at + n))
             at += n
-        heads = torch.cat([x[b - 1:b] if c[5] else x[a:b] for c, (a, b) in zip(calls, rows)])
+        last = [c[5] for c in calls]  # a prompt chunk's last row alone goes through the lm_head
+        heads = torch.cat([x[b - 1:b] if l else x[a:b] for l, (a, b) in zip(last, rows)]) if any(last) else x
         logits, best = self._lm_head_argmax(heads)
         outs, h = [], 0
         for c, (a, b) in zip(calls, rows):

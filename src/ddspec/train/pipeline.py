@@ -432,7 +432,7 @@ def stage_calibrate(args, out: Path, target) -> None:
     with tqdm(total=len(val), desc="calibrate", unit="seq", file=sys.stderr, disable=None) as bar:
         fit = fit_draft_temperature(head, target.embed_tokens, target.lm_head_weight_t(), val, settings,
                                     n_passes=passes, progress=bar)
-    fit["fitted_on"] = f"the last {n_val} sequences of {out / 'data'} (held out from `fit`)"
+    fit["fitted_on"] = f"the last {n_val} sequences of the run's data (held out from `fit`)"
     cfg = json.loads((folder / "config.json").read_text())
     cfg.setdefault("ddspec", {})["draft_temperature"] = fit
     write_json_atomic(folder / "config.json", cfg, indent=2)
