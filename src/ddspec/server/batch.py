@@ -124,6 +124,8 @@ class BatchWorker(EngineWorker):
             free = [s for s in self.slots if s.job is None]
             self.busy = bool(active)
             while free and not stopping:  # admission: block only when nothing runs
+                if not active:  # (a job refused just now: its error goes out before the wait)
+                    self._outbox.flush()
                 try:
                     job = self._queue.get(block=not active)
                 except queue.Empty:
