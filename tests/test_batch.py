@@ -149,15 +149,18 @@ def test_a_short_request_behind_long_ones_is_not_starved(tiny_dirs):
         long = [p for p in (f"story {i}:" for i in range(40)) if tokens(p, 400) == 400][:3]
         assert len(long) == 3
         done: dict[str, float] = {}
+        decoding = [threading.Event() for _ in long]
 
-        def ask(prompt: str, n: int) -> None:
-            tokens(prompt, n)
+        def ask(prompt: str, n: int, started: threading.Event | None = None) -> None:
+            for _ in client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True):
+                if started is not None:
+                    started.set()
             done[prompt] = time.perf_counter()
 
-        threads = [threading.Thread(target=ask, args=(p, 400)) for p in long]
+        threads = [threading.Thread(target=ask, args=(p, 400, e)) for p, e in zip(long, decoding)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        assert all(e.wait(60) for e in decoding)  # the short one arrives while all three decode
         ask("short", 8)
         for t in threads:
             t.join()
