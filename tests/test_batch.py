@@ -227,6 +227,51 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
     assert any(told for _, told, _ in learned) and any(n >= 2 and not told for n, told, _ in learned)
 
 
+@needs_kernels
+def test_trees_are_priced_beside_the_plain_batch_and_learned_with_the_rows_verified(tiny_dirs, monkeypatch):
+    """Each slot's tree is priced beside the others as plain decoding (a row and a token each, no draft
+    time), whatever they drafted the step before (priced beside those, all slots grew their trees
+    together); a drafted step is learned from with the rows the forward really verified."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from ddspec.models.loading import load_target
+    from ddspec.server.build import LiveServer, make_service
+    from ddspec.tree.cost import CostAwarePolicy
+
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    rows, priced, learned = [(0, 0)], [], []
+    forward_many = target.forward_many
+    monkeypatch.setattr(target, "forward_many", lambda calls: rows.__setitem__(
+        0, (len(calls), sum(c[1].shape[-1] for c in calls))) or forward_many(calls))
+    draft_now, observe_step = CostAwarePolicy.draft_now, CostAwarePolicy.observe_step
+
+    def priced_now(self, chain=None):
+        priced.append((self.batch, rows[0][0]))
+        return draft_now(self, chain)
+
+    def learn(self, tokens, tree_size, *args, **kwargs):
+        if self.drafting:
+            learned.append((self.batch[0] + tree_size, rows[0]))
+        return observe_step(self, tokens, tree_size, *args, **kwargs)
+
+    monkeypatch.setattr(CostAwarePolicy, "draft_now", priced_now)
+    monkeypatch.setattr(CostAwarePolicy, "observe_step", learn)
+    with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=48, batch=4)) as url:
+        client = openai.OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        threads = [threading.Thread(target=client.completions.create, kwargs=dict(
+            model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=48, temperature=0)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    beside = [(batch, n) for batch, n in priced if batch[0]]
+    assert beside and all(batch == (n - 1, float(n - 1), 0.0) for batch, n in beside)
+    together = [(seen, total) for seen, (n, total) in learned if n > 1]
+    assert together and any(total > n for _, (n, total) in learned if n > 1)  # others drafted beside it
+    assert all(seen == total for seen, total in together)
+
+
 def test_the_outbox_wakes_each_loop_once_per_flush_and_keeps_each_jobs_order():
     """A batching worker's step emits an event per sequence: they reach their handlers' loop in one
     call, each job's events in the order sent, and nothing is delivered before the flush."""
