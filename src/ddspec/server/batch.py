@@ -23,10 +23,9 @@ expected tokens per second rather than its own (see ``CostAwarePolicy.batch``), 
 plain batch: the other sequences' roots, one token each, no draft time. A node then earns its row
 only if it beats what plain batched decoding gives per ms: as more sequences share a forward a row
 costs the whole batch, and trees shrink; they grow back as the load falls. (Priced beside the
-others' trees and draft times of their previous step instead, the slots drafted ever bigger trees
-together: with 15 others spending 450 ms drafting, 25 more rows looked cheap to each of them, and
-16 sequences ran at 0.67-0.75x plain batching on an AVX2 CPU.) Once the forward has run, each
-policy learns from it with the rows it really verified. Over that, the worker measures
+others' own trees and draft times, a slot's extra rows look cheap next to a step the others make
+long, and the slots grow their trees together: docs/performance.md, "The server".) Once the
+forward has run, each policy learns from it with the rows it really verified. Over that, the worker measures
 the batch's tokens per second with drafting allowed and with it held back, per load class (2, 3-4,
 5-8, 9-16, ... sequences), and holds drafting back where that has been faster by 5% (trying the
 other choice for 4 steps after 64, that wait doubling to 512 while it stays the worse:
