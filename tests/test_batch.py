@@ -272,6 +272,41 @@ def test_trees_are_priced_beside_the_plain_batch_and_learned_with_the_rows_verif
     assert all(seen == total for seen, total in together)
 
 
+@needs_kernels
+def test_each_choice_learns_from_the_trees_drafted_under_it(tiny_dirs, monkeypatch):
+    """A slot drafts its next tree as soon as its last one is verified, under the choice told for the
+    step that verified it: what the next forward gives is learned for that choice, so a cycle with
+    drafting held back never counts a drafted row (the choice here alternates every two steps)."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    from ddspec.models.loading import load_target
+    from ddspec.server.batch import BatchWorker
+    from ddspec.server.build import LiveServer, make_service
+    from ddspec.tree.choice import RateChoice
+
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    last, learned, turn = [None], [], [0]
+    forward_many = target.forward_many
+    monkeypatch.setattr(target, "forward_many", lambda calls: last.__setitem__(0, (
+        len(calls), sum(c[1].shape[-1] for c in calls), any(c[5] for c in calls))) or forward_many(calls))
+    monkeypatch.setattr(RateChoice, "choose", lambda self: turn.__setitem__(0, turn[0] + 1) or turn[0] % 4 < 2)
+    learn = BatchWorker._learn_rate
+    monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
+        (d, last[0])) or learn(self, n, d, tokens, s, prefill))
+    with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=64, batch=4)) as url:
+        client = openai.OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        threads = [threading.Thread(target=client.completions.create, kwargs=dict(
+            model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=64, temperature=0)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    held = [(n, rows) for drafted, (n, rows, _) in learned if not drafted]
+    assert held and all(rows == n for n, rows in held)  # one row per sequence: no tree drafted under it
+    assert any(rows > n for drafted, (n, rows, _) in learned if drafted)
+
+
 def test_the_outbox_wakes_each_loop_once_per_flush_and_keeps_each_jobs_order():
     """A batching worker's step emits an event per sequence: they reach their handlers' loop in one
     call, each job's events in the order sent, and nothing is delivered before the flush."""

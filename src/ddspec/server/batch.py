@@ -95,6 +95,7 @@ class BatchWorker(EngineWorker):
         # measured tokens per second of steps with drafting allowed / held back, per load class (_choose_drafting)
         self._choices: dict[int, RateChoice] = {}
         self._step_tokens = 0
+        self._cycle: tuple[bool, int, float] | None = None  # (choice, sequences, start) of the step whose trees come next
         self._outbox = Outbox()  # the step's events, handed to the handlers' loops once per step
         super().__init__(self.slots[0].engine, lambda method: make_drafter(method, self.slots[0].session),
                          default_method, max(max_queue, slots), on_step)
@@ -139,7 +140,7 @@ class BatchWorker(EngineWorker):
                 if self._begin(free[0], job):
                     active.append(free.pop(0))
             self.busy = bool(active)
-            t_step, self._step_tokens = time.perf_counter(), 0
+            self._step_tokens = 0
             choice = self._choose_drafting(active)
             drafting = choice is not False
             self._tell_policies(active, drafting)
@@ -147,6 +148,7 @@ class BatchWorker(EngineWorker):
                 self._advance(slot, None)
             ready = [s for s in self.slots if s.job is not None and s.pending is not None]
             if not ready:
+                self._cycle = None
                 continue
             calls = [(s.session, f.tokens, f.positions, f.mask, f.hidden_layers, f.last_logits)
                      for s in ready for f in (s.pending,)]
@@ -159,7 +161,8 @@ class BatchWorker(EngineWorker):
                     self._fail(s, ApiError(500, f"internal error during generation: {type(e).__name__}: {e}",
                                            kind="server_error"))
                 continue
-            seconds = time.perf_counter() - t
+            t_verify = time.perf_counter()
+            seconds = t_verify - t
             total = sum(c[1].shape[-1] for c in calls)
             for s, out in zip(ready, outs):
                 s.pending.seconds = seconds
@@ -168,10 +171,14 @@ class BatchWorker(EngineWorker):
                     s.told, policy.batch = policy.batch, (total - s.pending.tokens.shape[-1], *policy.batch[1:])
                 s.pending, value = None, out
                 self._advance(s, value)
-            # a step that also prefilled a prompt chunk says little about drafting: it is not learned from
-            prefill = any(c[5] for c in calls)
-            if choice is not None:
-                self._learn_rate(len(active), drafting, self._step_tokens, time.perf_counter() - t_step, prefill)
+            # The trees this forward verified were drafted at the end of the previous step (each slot
+            # drafts its next tree as soon as its last one is verified), under that step's choice: the
+            # cycle from there to here (that drafting, admission, this forward) and the tokens it gave
+            # are that choice's. A cycle that also prefilled a prompt chunk is not learned from.
+            if self._cycle is not None:
+                made, n, since = self._cycle
+                self._learn_rate(n, made, self._step_tokens, t_verify - since, any(c[5] for c in calls))
+            self._cycle = None if choice is None else (drafting, len(active), t_verify)
 
     def _begin(self, slot: Slot, job: Job) -> bool:
         """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
@@ -281,10 +288,10 @@ class BatchWorker(EngineWorker):
         return 1 << (n - 1).bit_length()
 
     def _learn_rate(self, n: int, drafting: bool, tokens: int, seconds: float, prefill: bool = False) -> None:
-        """The step's tokens and seconds for the choice at the load class of ``n`` sequences, unless it
-        ran a prefill chunk (whose rows cost the step much and give no token: whichever choice met it
-        would look worse)."""
-        choice = self._choices.get(self._load(n))  # made by _choose_drafting for this step's load
+        """A cycle's tokens and seconds (see _run) for the choice at the load class of ``n`` sequences,
+        unless it ran a prefill chunk (whose rows cost the step much and give no token: whichever
+        choice met it would look worse)."""
+        choice = self._choices.get(self._load(n))  # made by _choose_drafting for that load
         if choice is not None and tokens and not prefill:
             choice.observe(drafting, tokens, seconds)
 
