@@ -279,6 +279,25 @@ def test_costs_learned_while_other_programs_load_the_cpu_are_not_saved(tiny_targ
     assert store.path.read_text() == before
 
 
+def test_a_calibration_measured_while_other_programs_load_the_cpu_is_used_but_not_cached(
+        tiny_targets, tmp_path, monkeypatch, capsys):
+    """A first run beside a busy program measures its step costs under that load: they steer this run
+    (and are corrected as it goes), and the next run measures them again on its own machine."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    from ddspec.machine import OtherLoad
+
+    target = tiny_targets[("llama", "native")]
+    drafter = EagleDrafter(random_head(target.hf_config, seed=4).eval().requires_grad_(False), target, SMALL)
+    monkeypatch.setattr(OtherLoad, "share", lambda self: 0.8)
+    m, store = load_or_measure(target, drafter, progress=False)
+    assert m.source == "calibrated" and m.cost.verify_one(1) > 0
+    assert "the step costs: not cached (other programs used 80% of the CPU" in capsys.readouterr().err
+    assert not store.path.exists()
+    monkeypatch.setattr(OtherLoad, "share", lambda self: 0.0)
+    load_or_measure(target, drafter, progress=False)
+    assert store.read() is not None
+
+
 def test_other_programs_share_of_the_cpu_is_measured():
     from ddspec.machine import OtherLoad, cpu_busy_seconds
 

@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from ddspec.fileio import write_json_atomic
-from ddspec.machine import cpu_name, device_sync, load_average
-from ddspec.measured import Entry
+from ddspec.machine import OtherLoad, cpu_name, device_sync, load_average
+from ddspec.measured import Entry, not_cached
 from ddspec.tree.cost import CostModel
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # beyond 64: extrapolated (EAGLE-2 verifies <= 60)
@@ -346,12 +346,19 @@ class PolicyMemory:
 
 
 def load_or_measure(target, drafter, *, refresh: bool = False, progress: bool = True) -> tuple[Measurement, CostStore]:
-    """The cached measurement for this set-up, measuring (and caching) it when missing or stale."""
+    """The cached measurement for this set-up, measuring (and caching) it when missing or stale; one
+    measured while other programs took more than a quarter of the CPU is used but not cached (a
+    first run beside a build had cached one-token verifications at 3x their cost)."""
     store = CostStore(drafter_cost_key(target, drafter))
     m = None if refresh else store.read()
     if m is None:
+        others = OtherLoad()
         m = measure(target, drafter, progress=progress)
-        store.write(m)
+        share = others.too_busy()
+        if share is not None:  # used now (and corrected as steps run), not kept to steer later runs
+            not_cached("the step costs", f"other programs used {share:.0%} of the CPU while measuring them")
+        else:
+            store.write(m)
     return m, store
 
 
