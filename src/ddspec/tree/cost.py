@@ -102,9 +102,11 @@ class CostAwarePolicy:
         self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
         self.steps_seen = 0  # steps observed in this process
         # continuous batching (server/batch.py): (rows, expected tokens, draft ms) the other sequences add
-        # to the coming step. With rows > 0 every rate is the batch's: (their tokens + this tree's) per ms
-        # of their drafting, this draft and a forward over (their rows + this tree's), so a drafted node
-        # is worth its row only if it adds more tokens than the row costs the whole batch; (0, 0.0, 0.0) alone
+        # to the coming step (the worker tells their plain batch: a row and a token each, no draft ms; while a
+        # step is learned from, the rows its forward had). With rows > 0 every rate is the batch's: (their
+        # tokens + this tree's) per ms of their drafting, this draft and a forward over (their rows + this
+        # tree's), so a drafted node is worth its row only if it adds more tokens than the row costs the
+        # whole batch; (0, 0.0, 0.0) alone
         self.batch: tuple[int, float, float] = (0, 0.0, 0.0)
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
