@@ -25,11 +25,12 @@ only if it beats what plain batched decoding gives per ms: as more sequences sha
 costs the whole batch, and trees shrink; they grow back as the load falls. (Priced beside the
 others' own trees and draft times, a slot's extra rows look cheap next to a step the others make
 long, and the slots grow their trees together: docs/performance.md, "The server".) Once the
-forward has run, each policy learns from it with the rows it really verified. Over that, the worker measures
-the batch's tokens per second with drafting allowed and with it held back, per load class (2, 3-4,
-5-8, 9-16, ... sequences), and holds drafting back where that has been faster by 5% (trying the
-other choice for 4 steps after 64, that wait doubling to 512 while it stays the worse:
-tree/choice.py), so that speculation costs the batch little where it does not pay.
+forward has run, each policy learns from it with the rows it really verified. Over that, the
+worker measures the batch's tokens per second with drafting allowed and with it held back, per
+load class (2, 3-4, 5-8, 9-16, ... sequences), and holds drafting back where that has been faster
+by 5% (trying the other choice for 4 steps after 64, that wait doubling to 512 while it stays the
+worse: tree/choice.py), so that speculation costs the batch little where it does not pay; each
+choice learns from the cycle its trees ran in (see _run).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class BatchWorker(EngineWorker):
                 outs = self.model.forward_many(calls)
             except Exception as e:  # a bug: every job of the step answers 500, the server keeps serving
                 log.exception("batched forward failed")
+                self._cycle = None
                 for s in ready:
                     self._fail(s, ApiError(500, f"internal error during generation: {type(e).__name__}: {e}",
                                            kind="server_error"))
