@@ -187,16 +187,17 @@ def test_requests_are_values_the_engine_keeps_none_of(tiny_targets):
                                                                                       False)
 
 
-def four_requests(url: str, max_tokens: int, method: str | None = None) -> None:
-    """Four concurrent greedy completions of different prompts from the server at ``url`` (with
-    ``method``, or the server's own)."""
+def concurrent_requests(url: str, max_tokens: list[int], method: str | None = None) -> None:
+    """Concurrent greedy completions of different prompts from the server at ``url``, one per entry
+    of ``max_tokens`` (with ``method``, or the server's own)."""
     import openai
 
     client = openai.OpenAI(api_key="unused", base_url=url + "/v1", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     extra = {} if method is None else {"extra_body": {"ddspec": {"method": method}}}
     threads = [threading.Thread(target=client.completions.create, kwargs=dict(
-        model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=max_tokens, temperature=0, **extra)) for i in range(4)]
+        model=model, prompt=f"tale {i}: " * (i + 1), max_tokens=n, temperature=0, **extra))
+        for i, n in enumerate(max_tokens)]
     for t in threads:
         t.start()
     for t in threads:
@@ -224,9 +225,10 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
     monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
         (n, prefill, last[0])) or learn(self, n, d, tokens, s, prefill))
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=200, batch=4)) as url:
-        four_requests(url, 200, "vanilla")
+        concurrent_requests(url, [200] * 4, "vanilla")
         assert learned == []  # plain decoding alone: nothing to choose, nothing learned
-        four_requests(url, 200, "ddspec")
+        # six requests on four slots: the two that wait are prefilled while the others decode
+        concurrent_requests(url, [60, 200, 200, 100, 200, 200], "ddspec")
     assert all(told == ran for _, told, ran in learned)  # each step's learning was told whether it prefilled
     assert any(told for _, told, _ in learned) and any(n >= 2 and not told for n, told, _ in learned)
 
@@ -261,7 +263,7 @@ def test_trees_are_priced_beside_the_plain_batch_and_learned_with_the_rows_verif
     monkeypatch.setattr(CostAwarePolicy, "draft_now", priced_now)
     monkeypatch.setattr(CostAwarePolicy, "observe_step", learn)
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=48, batch=4)) as url:
-        four_requests(url, 48)
+        concurrent_requests(url, [48] * 4)
     beside = [(batch, n) for batch, n in priced if batch[0]]
     assert beside and all(batch == (n - 1, float(n - 1), 0.0) for batch, n in beside)
     together = [(seen, total) for seen, (n, total) in learned if n > 1]
@@ -291,7 +293,7 @@ def test_each_choice_learns_from_the_trees_drafted_under_it(tiny_dirs, monkeypat
     monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
         (d, last[0])) or learn(self, n, d, tokens, s, prefill))
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=64, batch=4)) as url:
-        four_requests(url, 64)
+        concurrent_requests(url, [64] * 4)
     held = [(n, rows) for drafted, (n, rows, _) in learned if not drafted]
     assert held and all(rows == n for n, rows in held)  # one row per sequence: no tree drafted under it
     assert any(rows > n for drafted, (n, rows, _) in learned if drafted)
