@@ -257,7 +257,7 @@ def test_trees_are_priced_beside_the_plain_batch_and_learned_with_the_rows_verif
 
     def learn(self, tokens, tree_size, *args, **kwargs):
         if self.drafting:
-            learned.append((self.batch[0] + tree_size, rows[0]))
+            learned.append((self.verified_beside + tree_size, rows[0]))
         return observe_step(self, tokens, tree_size, *args, **kwargs)
 
     monkeypatch.setattr(CostAwarePolicy, "draft_now", priced_now)

@@ -60,7 +60,6 @@ class Slot:
         self.steps = None  # the job's Engine.steps generator
         self.pending: Forward | None = None  # the forward it waits for
         self.t0 = 0.0
-        self.told: tuple | None = None  # its policy's batch as told, while the step's learning sees the real rows
 
     def drafter(self, method: str):
         return kept_drafter(self.drafters, method, lambda m: self._make_drafter(m, self.session), self.default_method)
@@ -69,7 +68,6 @@ class Slot:
         self.request = job.request(self.drafter(job.method))
         self.job, self.pending, self.t0 = job, None, time.perf_counter()
         self.steps = self.engine.steps(self.request)
-        self.told = None
 
     def close(self) -> None:
         if self.steps is not None:
@@ -168,9 +166,8 @@ class BatchWorker(EngineWorker):
             total = sum(c[1].shape[-1] for c in calls)
             for s, out in zip(ready, outs):
                 s.pending.seconds = seconds
-                policy = s.policy
-                if policy is not None and policy.batch[0]:  # its learning: the rows this forward verified
-                    s.told, policy.batch = policy.batch, (total - s.pending.tokens.shape[-1], *policy.batch[1:])
+                if s.policy is not None:  # its learning: the other rows this forward verified
+                    s.policy.verified_beside = total - s.pending.tokens.shape[-1]
                 s.pending, value = None, out
                 self._advance(s, value)
             # The trees this forward verified were drafted at the end of the previous step (each slot
@@ -240,8 +237,6 @@ class BatchWorker(EngineWorker):
                                       kind="server_error"))
 
     def _emit(self, slot: Slot, chunk: Chunk) -> None:
-        if slot.told is not None:  # the step has been learned from: its next tree is priced as told
-            slot.policy.batch, slot.told = slot.told, None
         if chunk.step is not None:
             step = chunk.step
             self._step_tokens += step.accepted + 1

@@ -102,12 +102,12 @@ class CostAwarePolicy:
         self.remember = None  # remember(snapshot) every SAVE_EVERY steps (methods.remember_policy), or None
         self.steps_seen = 0  # steps observed in this process
         # continuous batching (server/batch.py): (rows, expected tokens, draft ms) the other sequences add
-        # to the coming step (the worker tells their plain batch: a row and a token each, no draft ms; while a
-        # step is learned from, the rows its forward had). With rows > 0 every rate is the batch's: (their
-        # tokens + this tree's) per ms of their drafting, this draft and a forward over (their rows + this
-        # tree's), so a drafted node is worth its row only if it adds more tokens than the row costs the
-        # whole batch; (0, 0.0, 0.0) alone
+        # to the coming step (the worker tells their plain batch: a row and a token each, no draft ms).
+        # With rows > 0 every rate is the batch's: (their tokens + this tree's) per ms of their drafting,
+        # this draft and a forward over (their rows + this tree's), so a drafted node is worth its row only
+        # if it adds more tokens than the row costs the whole batch; (0, 0.0, 0.0) alone
         self.batch: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.verified_beside = 0  # rows of the other sequences in the forward just verified (server/batch.py)
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
 
@@ -378,9 +378,10 @@ class CostAwarePolicy:
                      gap_ms: float, phase_ms: float | None = None) -> None:
         """The measured times of the step just finished (the engine's clock); ``draft_ms`` None when the
         draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time.
-        Beside other sequences (``batch``) the forward verified their rows too and the step's tokens
-        count theirs: both are kept in the batch's terms, as the forecasts are."""
-        rows, others, _ = self.batch
+        Beside other sequences the forward verified their rows too (``verified_beside``, as the
+        forward had them) and the step's tokens count theirs (``batch``'s expected tokens): both are
+        kept in the batch's terms, as the forecasts are."""
+        rows, others = self.verified_beside, self.batch[1]
         if self.drafting or not rows:  # (a plain step's time beside others teaches no plain step's cost)
             self.costs.observe(rows + tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         tokens = tokens + others
