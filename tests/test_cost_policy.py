@@ -185,3 +185,20 @@ def test_one_slow_step_does_not_price_a_chain_size_out():
     again.costs.restore(remembered)
     assert 6 not in again.costs.chain_ms and 7 in again.costs.chain_ms  # over 2x the curve's cost: dropped
     assert again.costs.plain_verify(6) == again.costs.curve_verify(6)
+
+
+def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
+    """Beside 15 other sequences, where each row costs the whole batch as much as a token is worth
+    (a forward's cost linear in its rows), no chain the head usually drafts can beat plain decoding:
+    the slot takes plain steps without trying a drafted one (a try would cost every sequence), even
+    before it has any measured drafted step. Where a forward costs the same whatever its rows, it
+    and drafting costs little, it may pay and is drafted; alone, the single-stream choice is untouched."""
+    steep = policy(linear_cost(2.0, 2.0, n_max=256))
+    steep.batch = (15, 15.0, 0.0)
+    assert not steep.may_pay()
+    assert [steep.draft_now() for _ in range(100)] == [False] * 100
+    steep.batch = (0, 0.0, 0.0)
+    assert steep.may_pay() and steep.draft_now()  # alone: no drafted step measured yet, so it drafts
+    flat = policy(flat_cost(20.0, n_max=256), level_ms=0.01)
+    flat.batch = (15, 15.0, 0.0)
+    assert flat.may_pay() and flat.draft_now()

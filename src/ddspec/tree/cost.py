@@ -54,6 +54,8 @@ class CostAwarePolicy:
     explore_close, explore_far = 16, 64  # steps between tries of the other choice (rates close / far apart)
     max_backoff = 8  # drafting tried and still worse: the wait before the next try doubles, up to 8x
     min_drafted = 8  # drafted steps before the policy may prefer plain steps
+    may_pay_every = 16  # steps a may_pay answer is kept for, at one batch pricing
+    may_pay_within = 0.9  # may_pay: a chain forecast within 10% of plain decoding's rate may still pay
     forecast_decay = 0.5  # the drafted rate follows the newest forecasts (made with the newest knowledge)
     # drafted steps' measured rate against their forecasts (decayed sums over about 20 steps): what
     # the forecasts leave out (the head catching up after plain steps, feeding it the accepted
@@ -110,6 +112,7 @@ class CostAwarePolicy:
         self.verified_beside = 0  # rows of the other sequences in the forward just verified (server/batch.py)
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
+        self._may_pay: tuple = (None, True)  # (key, answer) of may_pay
 
     @property
     def cost(self) -> CostModel:
@@ -176,6 +179,39 @@ class CostAwarePolicy:
         """ms of a step that adds one row to the other sequences' ``batch`` rows."""
         return self._plain_step_ms() + self.batch[2] + self.cost.verify_one(self.batch[0] + 1) - self.cost.verify_one(1)
 
+    def may_pay(self) -> bool:
+        """Whether a drafted step can be expected to beat a plain one beside the coming batch: the
+        chain the head usually drafts (each level its running mean best child, ``child_logprob``),
+        1 to ``max_depth`` levels deep, priced as :meth:`tree_size` prices trees (no gap between
+        steps, which the plain step's price includes: the generous side). It pays when the tokens it
+        adds to the batch's step, per ms it adds, reach plain decoding's rate in the batch's terms
+        (the margin, not the whole step's rate: beside 15 sequences any tree moves that by a few
+        percent); within ``may_pay_within`` of it, draft_now's measured rates decide. Alone (no
+        batch) always True: the single-stream choice is draft_now's. Beside many sequences, on a
+        machine where a forward's cost grows with every row, no tree pays whatever it drafts: the
+        slot then takes plain steps without trying drafted ones (a try costs the whole batch a
+        catch-up of the head over all it has not seen). Kept for ``may_pay_every`` steps (the costs
+        and acceptance it reads move slowly), recomputed when the batch changes."""
+        if not self.batch[0]:
+            return True
+        key = (self.batch, self.steps_seen // self.may_pay_every)
+        if self._may_pay[0] != key:
+            rows, others, beside_ms = self.batch
+            cost, depth = self.cost, self.max_depth
+            plain_ms = self._batch_plain_ms()
+            bar = self.may_pay_within * (1.0 + others) / plain_ms  # tokens per added ms that pay
+            probs = self.acceptance.prob([self.child_logprob * (i + 1) for i in range(depth)])
+            verify = cost.verify_list(rows + depth + 1)
+            gain, pays = 0.0, False
+            for levels in range(1, depth + 1):
+                gain += probs[levels - 1]
+                added = cost.draft(levels) + cost.other_ms + beside_ms + verify[rows + levels] - plain_ms
+                if added <= 0.0 or gain / added >= bar:
+                    pays = True
+                    break
+            self._may_pay = (key, pays)
+        return self._may_pay[1]
+
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
 
@@ -208,7 +244,7 @@ class CostAwarePolicy:
         ``explore_far`` otherwise, so neither estimate goes stale. A drafted try costs a catch-up
         of the head and a tree (about two plain steps): while drafting stays the worse choice
         after each try, the wait before the next one doubles (up to ``max_backoff`` times)."""
-        if self.plain_only:
+        if self.plain_only or not self.may_pay():
             self.drafting, self.levels, self._probe_size, self._probe_extra = False, 0, False, (0.0, 0.0)
             self.prediction = (1.0 + self.batch[1], self._batch_plain_ms() if self.batch[0] else self._plain_step_ms())
             return False
