@@ -191,8 +191,8 @@ def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
     """Beside 15 other sequences, where each row costs the whole batch as much as a token is worth
     (a forward's cost linear in its rows), no chain the head usually drafts can beat plain decoding:
     the slot takes plain steps without trying a drafted one (a try would cost every sequence), even
-    before it has any measured drafted step. Where a forward costs the same whatever its rows, it
-    and drafting costs little, it may pay and is drafted; alone, the single-stream choice is untouched."""
+    before it has any measured drafted step. Where a forward costs the same whatever its rows and
+    drafting costs little, a tree may pay and is drafted; alone, the single-stream choice is untouched."""
     steep = policy(linear_cost(2.0, 2.0, n_max=256))
     steep.batch = (15, 15.0, 0.0)
     assert not steep.may_pay()

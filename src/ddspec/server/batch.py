@@ -22,7 +22,9 @@ Load-aware speculation: every slot's cost-aware policy sizes its tree to maximis
 expected tokens per second rather than its own (see ``CostAwarePolicy.batch``), priced beside the
 plain batch: the other sequences' roots, one token each, no draft time. A node then earns its row
 only if it beats what plain batched decoding gives per ms: as more sequences share a forward a row
-costs the whole batch, and trees shrink; they grow back as the load falls. (Priced beside the
+costs the whole batch, and trees shrink; they grow back as the load falls. Where not even the
+chain its head usually drafts could pay, a slot takes plain steps without trying a tree
+(``CostAwarePolicy.may_pay``). (Priced beside the
 others' own trees and draft times, a slot's extra rows look cheap next to a step the others make
 long, and the slots grow their trees together: docs/performance.md, "The server".) Once the
 forward has run, each policy learns from it with the rows it really verified. Over that, the
