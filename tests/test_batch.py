@@ -262,6 +262,8 @@ def test_trees_are_priced_beside_the_plain_batch_and_learned_with_the_rows_verif
 
     monkeypatch.setattr(CostAwarePolicy, "draft_now", priced_now)
     monkeypatch.setattr(CostAwarePolicy, "observe_step", learn)
+    # trees beside others must be drafted here, whatever this machine's costs forecast for them
+    monkeypatch.setattr(CostAwarePolicy, "may_pay", lambda self: True)
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=48, batch=4)) as url:
         concurrent_requests(url, [48] * 4)
     beside = [(batch, n) for batch, n in priced if batch[0]]
@@ -282,6 +284,7 @@ def test_each_choice_learns_from_the_trees_drafted_under_it(tiny_dirs, monkeypat
     from ddspec.server.batch import BatchWorker
     from ddspec.server.build import LiveServer, make_service
     from ddspec.tree.choice import RateChoice
+    from ddspec.tree.cost import CostAwarePolicy
 
     target = load_target(str(tiny_dirs["llama"]), impl="native")
     last, learned, turn = [None], [], [0]
@@ -289,6 +292,7 @@ def test_each_choice_learns_from_the_trees_drafted_under_it(tiny_dirs, monkeypat
     monkeypatch.setattr(target, "forward_many", lambda calls: last.__setitem__(0, (
         len(calls), sum(c[1].shape[-1] for c in calls), any(c[5] for c in calls))) or forward_many(calls))
     monkeypatch.setattr(RateChoice, "choose", lambda self: turn.__setitem__(0, turn[0] + 1) or turn[0] % 4 < 2)
+    monkeypatch.setattr(CostAwarePolicy, "may_pay", lambda self: True)  # trees drafted whatever the costs forecast
     learn = BatchWorker._learn_rate
     monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
         (d, last[0])) or learn(self, n, d, tokens, s, prefill))
@@ -374,3 +378,56 @@ def test_drafting_held_back_in_stretches_keeps_every_token(tiny_targets):
     # it drafted after held-back stretches (each drafted step checks that the head caught up to the target)
     assert any(size > 1 for held, size in steps_run if not held)
     assert drafter.lookup.tokens[:len(prompt) + n] == prompt + want
+
+
+@needs_kernels
+def test_a_request_takes_the_free_slot_that_holds_its_prefix(tiny_dirs):
+    """Two requests run side by side (the first into slot 0, the second into slot 1); then the
+    second's follow-up (its prompt, its answer, more) arrives with every slot free: it takes slot 1,
+    whose caches keep its history, not the first free slot, and prefills only what is new; its
+    tokens are those of the same follow-up decoded from scratch."""
+    import asyncio
+
+    from ddspec.models.loading import load_target
+    from ddspec.server.batch import BatchWorker
+    from ddspec.server.worker import Job
+
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    worker = BatchWorker(target, lambda method, session: None, "vanilla", slots=3)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    stop = StopConfig(max_new_tokens=12, stop_on_eos=False)
+
+    def run(prompts: list[list[int]], reuse: bool = True) -> list[tuple[list[int], object]]:
+        jobs = [Job(list(p), stop, SamplingConfig(), "vanilla", reuse, False, loop) for p in prompts]
+        for job in jobs:
+            worker.submit(job)
+
+        async def collect(job):
+            ids = []
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "chunk":
+                    ids += payload.token_ids
+                elif kind == "done":
+                    return ids, payload
+                else:
+                    raise AssertionError(payload)
+
+        async def every():
+            return await asyncio.gather(*(collect(j) for j in jobs))
+
+        return loop.run_until_complete(every())
+
+    try:
+        first, second = [5, 6, 7, 8] * 6, [9, 10, 11] * 6
+        (_, _), (answer, _) = run([first, second])
+        assert [s.engine._held is not None for s in worker.slots] == [True, True, False]
+        follow = second + answer + [12, 13, 14]
+        (ids, stats), = run([follow])
+        assert stats.reused_tokens >= len(second) + len(answer) - 1  # slot 1's history, kept
+        (alone, cold), = run([follow], reuse=False)
+        assert cold.reused_tokens == 0 and ids == alone
+    finally:
+        worker.stop()
+        loop.close()

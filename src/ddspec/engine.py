@@ -249,6 +249,10 @@ class Engine:
         return min(stop.max_new_tokens, window - prompt_len)
 
     # -- prefix reuse --------------------------------------------------------------------
+    def reusable(self, req: Request) -> int:
+        """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
+        return self._reusable(req)
+
     def _reusable(self, req: Request) -> int:
         """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
         held, prompt_ids = self._held, req.prompt_ids

@@ -7,8 +7,9 @@ drafters (built per method on first use, sharing the one draft head), and an :cl
 :meth:`~ddspec.engine.Engine.steps` runs the request exactly as it runs alone, but hands out each
 target forward it needs. The worker's loop:
 
-1. admits waiting jobs into free slots (requests join between steps; a job cancelled while waiting
-   is skipped, one cancelled while running is closed at its next step and frees its slot);
+1. admits waiting jobs into free slots, each into the one whose caches keep the longest prefix of
+   its prompt (requests join between steps; a job cancelled while waiting is skipped, one
+   cancelled while running is closed at its next step and frees its slot);
 2. advances every slot's generation to its next forward (its drafter drafts, its chunks go out);
 3. runs all those forwards as one (``forward_many``: the rows of every sequence through each weight
    once, each sequence's attention over its own cache), and hands each its output.
@@ -138,8 +139,10 @@ class BatchWorker(EngineWorker):
                 if job is None:
                     stopping = True
                     break
-                if self._begin(free[0], job):
-                    active.append(free.pop(0))
+                slot = self._begin(free, job)
+                if slot is not None:
+                    free.remove(slot)
+                    active.append(slot)
             self.busy = bool(active)
             self._step_tokens = 0
             choice = self._choose_drafting(active)
@@ -181,32 +184,37 @@ class BatchWorker(EngineWorker):
                 self._learn_rate(n, made, self._step_tokens, t_verify - since, any(c[5] for c in calls))
             self._cycle = None if choice is None else (drafting, len(active), t_verify)
 
-    def _begin(self, slot: Slot, job: Job) -> bool:
-        """Put a job into a slot (tokenizing its prompt here); False when it is cancelled or refused."""
+    def _begin(self, free: list[Slot], job: Job) -> Slot | None:
+        """Put a job into one of the ``free`` slots (tokenizing its prompt here): the one whose caches
+        keep the longest prefix of its prompt (a chat's next turn finds its history in the slot
+        that ran the turn before, whatever ran beside it; the first free slot on ties). The slot, or
+        None when the job is cancelled or refused."""
         if job.cancelled.is_set():
             self._release(job)
-            return False
+            return None
         job.outbox = self._outbox
         try:
             if job.prepare is not None:
                 job.prompt_ids, job.stop = job.prepare()
                 job.prepare = None
             self.drafter(job.method)
+            slot = max(free, key=lambda s: s.engine.reusable(job.request(s.drafter(job.method)))) if len(free) > 1 \
+                else free[0]
             slot.start(job)
         except ApiError as e:
             job.send("error", e)
             self._release(job)
-            return False
+            return None
         except DdspecError as e:
             job.send("error", ApiError(400, str(e)))
             self._release(job)
-            return False
+            return None
         except Exception as e:  # a bug: answer 500, keep serving
             log.exception("starting a generation failed")
             job.send("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
             self._release(job)
-            return False
-        return True
+            return None
+        return slot
 
     def _advance(self, slot: Slot, value) -> None:
         """Run a slot's generation up to its next forward (``value``: the output of the one it waited
