@@ -385,7 +385,8 @@ def test_a_request_takes_the_free_slot_that_holds_its_prefix(tiny_dirs):
     """Two requests run side by side (the first into slot 0, the second into slot 1); then the
     second's follow-up (its prompt, its answer, more) arrives with every slot free: it takes slot 1,
     whose caches keep its history, not the first free slot, and prefills only what is new; its
-    tokens are those of the same follow-up decoded from scratch."""
+    tokens are those of the same follow-up decoded from scratch. A prompt no slot holds any of goes
+    to the slot used least recently."""
     import asyncio
 
     from ddspec.models.loading import load_target
@@ -428,6 +429,8 @@ def test_a_request_takes_the_free_slot_that_holds_its_prefix(tiny_dirs):
         assert stats.reused_tokens >= len(second) + len(answer) - 1  # slot 1's history, kept
         (alone, cold), = run([follow], reuse=False)
         assert cold.reused_tokens == 0 and ids == alone
+        run([[20, 21, 22] * 4])  # no slot holds any of it: the one used least recently (slot 0) takes it
+        assert worker.slots[0].engine._held[:12] == [20, 21, 22] * 4
     finally:
         worker.stop()
         loop.close()

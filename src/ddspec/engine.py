@@ -251,10 +251,6 @@ class Engine:
     # -- prefix reuse --------------------------------------------------------------------
     def reusable(self, req: Request) -> int:
         """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
-        return self._reusable(req)
-
-    def _reusable(self, req: Request) -> int:
-        """Prompt positions the caches can keep from the last generation (0 = prefill all)."""
         held, prompt_ids = self._held, req.prompt_ids
         if not req.reuse_prefix or held is None or self._held_drafter is not req.drafter:
             return 0
@@ -272,7 +268,7 @@ class Engine:
 
     def _restore(self, req: Request, max_length: int) -> int:
         """Make the caches ready for the request's prompt; return how many positions they keep."""
-        keep = self._reusable(req)
+        keep = self.reusable(req)
         self._held = None  # unknown until this generation has committed something
         if keep:
             self.target.reserve(max_length)

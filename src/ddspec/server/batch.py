@@ -62,7 +62,7 @@ class Slot:
         self.request: Request | None = None  # the job's settings and drafter, as the engine reads them
         self.steps = None  # the job's Engine.steps generator
         self.pending: Forward | None = None  # the forward it waits for
-        self.t0 = 0.0
+        self.t0 = 0.0  # when its current (or last) job started: 0.0 until its first
 
     def drafter(self, method: str):
         return kept_drafter(self.drafters, method, lambda m: self._make_drafter(m, self.session), self.default_method)
@@ -187,8 +187,9 @@ class BatchWorker(EngineWorker):
     def _begin(self, free: list[Slot], job: Job) -> Slot | None:
         """Put a job into one of the ``free`` slots (tokenizing its prompt here): the one whose caches
         keep the longest prefix of its prompt (a chat's next turn finds its history in the slot
-        that ran the turn before, whatever ran beside it; the first free slot on ties). The slot, or
-        None when the job is cancelled or refused."""
+        that ran the turn before, whatever ran beside it); on ties the one used least recently, whose
+        history is the least likely to be asked for again. The slot, or None when the job is
+        cancelled or refused."""
         if job.cancelled.is_set():
             self._release(job)
             return None
@@ -198,8 +199,8 @@ class BatchWorker(EngineWorker):
                 job.prompt_ids, job.stop = job.prepare()
                 job.prepare = None
             self.drafter(job.method)
-            slot = max(free, key=lambda s: s.engine.reusable(job.request(s.drafter(job.method)))) if len(free) > 1 \
-                else free[0]
+            slot = free[0] if len(free) == 1 else max(
+                free, key=lambda s: (s.engine.reusable(job.request(s.drafter(job.method))), -s.t0))
             slot.start(job)
         except ApiError as e:
             job.send("error", e)
