@@ -196,17 +196,13 @@ class CostAwarePolicy:
             return True
         key = (self.batch, self.steps_seen // self.may_pay_every)
         if self._may_pay[0] != key:
-            rows, others, beside_ms = self.batch
-            cost, depth = self.cost, self.max_depth
+            gains = self._gains([self.child_logprob * (i + 1) for i in range(self.max_depth)])  # the chain's
             plain_ms = self._batch_plain_ms()
-            bar = self.may_pay_within * (1.0 + others) / plain_ms  # tokens per added ms that pay
-            probs = self.acceptance.prob([self.child_logprob * (i + 1) for i in range(depth)])
-            verify = cost.verify_list(rows + depth + 1)
-            gain, pays = 0.0, False
-            for levels in range(1, depth + 1):
-                gain += probs[levels - 1]
-                added = cost.draft(levels) + cost.other_ms + beside_ms + verify[rows + levels] - plain_ms
-                if added <= 0.0 or gain / added >= bar:
+            bar = self.may_pay_within * gains[0] / plain_ms  # tokens per added ms that pay
+            pays = False
+            for levels in range(1, len(gains)):  # verifying the root and that many levels of the chain
+                added = self._step_ms(levels, levels + 1)[levels] - plain_ms
+                if added <= 0.0 or (gains[levels] - gains[0]) / added >= bar:
                     pays = True
                     break
             self._may_pay = (key, pays)
