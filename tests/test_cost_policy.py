@@ -202,3 +202,24 @@ def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
     flat = policy(flat_cost(20.0, n_max=256), level_ms=0.01)
     flat.batch = (15, 15.0, 0.0)
     assert flat.may_pay() and flat.draft_now()
+
+
+def test_beside_a_batch_the_table_is_not_searched_where_no_chain_of_its_orders_could_pay():
+    """chains_may_pay: beside 15 sequences on a forward whose every row costs the batch, a table match whose
+    tokens are accepted 1 time in 10 cannot pay for its rows, so the lookup is told not to search the
+    table, except every chain_explore-th time (its acceptance stays measured); an order accepted
+    almost always still may; alone the question is chain_length's, so the answer is always yes."""
+    steep = policy(linear_cost(10.0, 0.5, n_max=256))  # a row costs the batch half a ms
+    for _ in range(50):
+        steep.observe_chain(102, 1, 0)  # a table order: rarely accepted
+        steep.observe_chain(3, 3, 3)  # a three-token context match: almost always
+    steep.observe_chain(102, 1, 1)
+    steep.batch = (15, 15.0, 0.0)
+    answers = [steep.chains_may_pay((102,), 3) for _ in range(2 * steep.chain_explore)]
+    assert answers.count(True) == 2 and answers[steep.chain_explore - 1] and answers[-1]
+    assert steep.chains_may_pay((102, 3), 3)  # any order that pays
+    assert steep.chain_length(3, 3) == 3
+    steep.plain_only = True  # held back by the batch: no chain at all
+    assert not steep.chains_may_pay((3,), 3) and steep.chain_length(3, 3) == 0
+    steep.plain_only, steep.batch = False, (0, 0.0, 0.0)
+    assert all(steep.chains_may_pay((102,), 3) for _ in range(20))

@@ -137,3 +137,11 @@ def test_incremental_text_equals_full_decode(default_native):
     asm = TextAssembler(tok, ("東京",))
     out = "".join(asm.add([i]) for i in ids) + asm.flush()
     assert asm.stopped and out == text[: text.find("東京")]
+    # the fast tokenizer's backend decodes (no wrapper): the same text, special tokens skipped too
+    assert asm._backend is not None
+    special = [tok.convert_tokens_to_ids("<|im_start|>")] + ids[:9] + [tok.eos_token_id] + ids[9:]
+    asm = TextAssembler(tok, ())
+    assert "".join(asm.add([i]) for i in special) + asm.flush() == tok.decode(special, skip_special_tokens=True)
+    wrapped = TextAssembler(tok, ())
+    wrapped._backend = None
+    assert "".join(wrapped.add([i]) for i in special) + wrapped.flush() == tok.decode(special, skip_special_tokens=True)

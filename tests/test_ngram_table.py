@@ -103,6 +103,13 @@ def test_lookup_asks_the_table_only_where_the_context_has_no_match():
     assert d.continuation() == [] and d.order == 0
     d.tokens += [5]
     assert d.continuation() == [7, 8, 6] and d.order == 1  # no table entry: the context's one-token match
+    # told that no table chain would be verified (a batch's prices), the lookup keeps to the context
+    d = LookupDrafter(depth=3, table=table)
+    d.reset(64)
+    d.prefill(torch.tensor([5, 6, 7]), None, torch.tensor(8))
+    assert d.table_orders == (TABLE_ORDER + 2,) and LookupDrafter().table_orders == ()
+    assert d.continuation(table=False) == [] and d.order == 0
+    assert d.continuation() == [1, 2, 3]
 
 
 def test_method_suffix_turns_the_table_off():

@@ -130,6 +130,11 @@ class TextAssembler:
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...]) -> None:
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        # a fast (Rust) tokenizer without transformers' clean-up decodes to the same text straight from its
+        # backend, without the wrapper's argument conversions (two decodes per step and sequence)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = (backend if type(backend).__module__.startswith("tokenizers")
+                         and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None)
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.decoded = ""  # text of ids[:read_offset]
@@ -137,6 +142,8 @@ class TextAssembler:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self) -> None:

@@ -329,12 +329,22 @@ class EagleDrafter(Drafter):
         return self._committed
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
+        if self.cost_policy is not None and self.cost_policy.plain_only:  # held back by a batch: plain
+            # decoding's step, no search (the lookup indexes its tokens later), the head's input kept (observe)
+            self.cost_policy.hold()
+            self._chain, self._plain_step, self._caught_up, self._head_nodes = [], True, False, 1
+            return DraftTree.root_only(root)
         # a node at depth d sits at position + d, which must stay inside the context window
         self._room = self.target.info.max_position - 1 - position
         too_deep = self._room < 1 or (self.static is not None and len(self.static.levels) > self._room)
-        held_back = self.cost_policy is not None and self.cost_policy.plain_only  # by a batch: no chain either
-        # merged into a drafted tree (a held-back step skips the search: the lookup indexes its tokens later)
-        self._chain = [] if self.lookup is None or held_back else self.lookup.continuation()
+        # merged into a drafted tree (beside a batch where no table chain could pay, the table is not searched)
+        if self.lookup is None:
+            self._chain = []
+        else:
+            orders = self.lookup.table_orders
+            self._chain = self.lookup.continuation(
+                not orders or self.cost_policy is None
+                or self.cost_policy.chains_may_pay(orders, self.lookup.depth))
         if self._chain and self.cost_policy is not None:  # as many of its tokens as pay on this machine
             self._chain = self._chain[:self.cost_policy.chain_length(self.lookup.order, len(self._chain))]
         chain = None if self.lookup is None else bool(self._chain)

@@ -80,25 +80,31 @@ class LookupDrafter(Drafter):
                 self._index[tuple(t[end - n + 1:end + 1])] = end
         self._indexed = max(self._indexed, len(t) - 1)
 
-    def continuation(self) -> list[int]:
+    def continuation(self, table: bool = True) -> list[int]:
         """The drafts for the current context: what followed the latest earlier occurrence of its
         longest indexed ending (at most ``depth`` tokens; ``copy_depth`` after a ``max_ngram``-token
         ending). A table, when given, is asked before a
         match on the context's last token alone: a 2-4 token ending of the target's usual text
-        guesses better than one token (``order`` = TABLE_ORDER + n). [] when nothing matches."""
+        guesses better than one token (``order`` = TABLE_ORDER + n). [] when nothing matches.
+        table=False: the context alone (a caller that knows no table chain would be verified)."""
         self._update_index()
         t = self.tokens
         for n in range(min(self.max_ngram, len(t)), self.min_ngram - 1, -1):
-            if n == 1 and (drafts := self._from_table()):
+            if n == 1 and table and (drafts := self._from_table()):
                 return drafts
             end = self._index.get(tuple(t[-n:]))
             if end is not None:
                 self.order = n
                 return t[end + 1:end + 1 + (self.copy_depth if n == self.max_ngram else self.depth)]
-        if self.min_ngram > 1 and (drafts := self._from_table()):
+        if self.min_ngram > 1 and table and (drafts := self._from_table()):
             return drafts
         self.order = 0
         return []
+
+    @property
+    def table_orders(self) -> tuple[int, ...]:
+        """The ``order`` values a table match can have (none without a table)."""
+        return () if self.table is None else tuple(TABLE_ORDER + n for n in self.table.orders)
 
     def _from_table(self) -> list[int]:
         if self.table is None:

@@ -113,6 +113,8 @@ class CostAwarePolicy:
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
         self._may_pay: tuple = (None, True)  # (key, answer) of may_pay
+        self._chains_pay: dict = {}  # beside a batch: chain lengths and chains_may_pay's answers, kept a while
+        self._chain_refusals = 0
 
     @property
     def cost(self) -> CostModel:
@@ -231,6 +233,13 @@ class CostAwarePolicy:
         low, high = self.bias_bounds
         return min(max(ratio, low), high)
 
+    def hold(self) -> bool:
+        """A plain step without a choice (held back by the batch, or no tree may pay): its forecast
+        is plain decoding's; False."""
+        self.drafting, self.levels, self._probe_size, self._probe_extra = False, 0, False, (0.0, 0.0)
+        self.prediction = (1.0 + self.batch[1], self._batch_plain_ms() if self.batch[0] else self._plain_step_ms())
+        return False
+
     def draft_now(self, chain: bool | None = None) -> bool:
         """Draft this step, or verify the root alone without touching the head (plain decoding's
         cost; with the lookup's chain when ``chain``, see :meth:`plain_rate`)? Whichever has the
@@ -241,9 +250,7 @@ class CostAwarePolicy:
         of the head and a tree (about two plain steps): while drafting stays the worse choice
         after each try, the wait before the next one doubles (up to ``max_backoff`` times)."""
         if self.plain_only or not self.may_pay():
-            self.drafting, self.levels, self._probe_size, self._probe_extra = False, 0, False, (0.0, 0.0)
-            self.prediction = (1.0 + self.batch[1], self._batch_plain_ms() if self.batch[0] else self._plain_step_ms())
-            return False
+            return self.hold()
         drafted = self.draft_rate()
         explore = False
         if chain and self._chain_steps < self.min_drafted:
@@ -292,6 +299,23 @@ class CostAwarePolicy:
         such chains are cut, where it is nearly free (8-bit activations) they are verified."""
         if order <= 0 or available <= 0 or self.plain_only:
             return 0
+        if self.batch[0]:  # beside a batch, per step and sequence: its prices kept as may_pay keeps its answer
+            key = (self.batch, self.steps_seen // self.may_pay_every, order, available)
+            best = self._chains_pay.get(key)
+            if best is None:
+                if len(self._chains_pay) > 64:
+                    self._chains_pay.clear()
+                best = self._chains_pay[key] = self._best_chain(order, available)
+        else:
+            best = self._best_chain(order, available)
+        if best < available:
+            self._chain_cuts += 1
+            if self._chain_cuts % self.chain_explore == 0:
+                best += 1
+        return best
+
+    def _best_chain(self, order: int, available: int) -> int:
+        """chain_length's L before its exploration (no state changes)."""
         seen, accepted = self._chain_counts(order, available)
         costs, gap = self.costs, max(self.costs.gap_ms, 0.0)
         rows, others, drafting = self.batch
@@ -308,11 +332,29 @@ class CostAwarePolicy:
             rate = (1.0 + others + expected) / ms(1 + l)
             if rate > best:
                 best_l, best = l, rate
-        if best_l < available:
-            self._chain_cuts += 1
-            if self._chain_cuts % self.chain_explore == 0:
-                best_l += 1
         return best_l
+
+    def chains_may_pay(self, orders: tuple[int, ...], available: int) -> bool:
+        """Beside other sequences: whether a continuation of any of these n-gram ``orders`` (up to
+        ``available`` tokens) could have a token worth verifying at the batch's prices, so that the
+        lookup need not search where none could (a search of the n-gram table costs tens of
+        microseconds a step with its arrays out of the caches, per sequence of the batch). Kept as
+        :meth:`may_pay` keeps its answer; every ``chain_explore``-th refusal answers True, so cut
+        orders still meet chain_length's exploration. Alone always True (chain_length decides)."""
+        if not self.batch[0]:
+            return True
+        if self.plain_only:
+            return False
+        key = (self.batch, self.steps_seen // self.may_pay_every, orders, available, "any")
+        answer = self._chains_pay.get(key)
+        if answer is None:
+            if len(self._chains_pay) > 64:
+                self._chains_pay.clear()
+            answer = self._chains_pay[key] = any(self._best_chain(o, available) > 0 for o in orders)
+        if not answer:
+            self._chain_refusals += 1
+            return self._chain_refusals % self.chain_explore == 0
+        return True
 
     def _chain_counts(self, order: int, length: int) -> tuple[list[float], list[float]]:
         """(offered, accepted) counts of an order's continuation tokens 1 .. at least ``length``."""
