@@ -39,3 +39,17 @@ def test_a_margin_keeps_the_kind_in_use_until_the_other_is_clearly_better():
     assert sum(play(choice, 100, drafted=(10.0, 1.0), plain=(10.3, 1.0))) >= 95  # 3% better: drafting stays
     assert sum(play(choice, 300, drafted=(10.0, 1.0), plain=(11.0, 1.0))[-100:]) <= 3  # 10% better: plain
     assert sum(play(choice, 300, drafted=(10.3, 1.0), plain=(10.0, 1.0))[-100:]) <= 3  # 3% worse: plain stays
+
+
+def test_a_draft_margin_makes_drafting_earn_its_place():
+    """With plain steps in use at first and a draft margin, drafting 8% faster stays held back (it is
+    only tried now and then); 20% faster it is taken, and once in use it stays while it is not the worse."""
+    choice = RateChoice(explore_every=8, margin=0.05, decay=0.5, draft_margin=0.05, in_use=False)
+    picks = play(choice, 200, drafted=(10.8, 1.0), plain=(10.0, 1.0))
+    assert picks[0] and sum(picks[10:]) <= 0.15 * 190  # explorations only
+    assert sum(play(choice, 300, drafted=(12.0, 1.0), plain=(10.0, 1.0))[-100:]) >= 85
+    assert sum(play(choice, 300, drafted=(10.1, 1.0), plain=(10.0, 1.0))[-100:]) >= 85  # in use: stays
+    assert sum(play(choice, 300, drafted=(9.0, 1.0), plain=(10.0, 1.0))[-100:]) <= 15
+    # the default (no draft margin, nothing in use): a tie within the margin drafts
+    assert sum(play(RateChoice(explore_every=8, margin=0.05, decay=0.5), 100, drafted=(10.0, 1.0),
+                    plain=(10.3, 1.0))[10:]) >= 80

@@ -30,10 +30,10 @@ others' own trees and draft times, a slot's extra rows look cheap next to a step
 long, and the slots grow their trees together: docs/performance.md, "The server".) Once the
 forward has run, each policy learns from it with the rows it really verified. Over that, the
 worker measures the batch's tokens per second with drafting allowed and with it held back, per
-load class (2, 3-4, 5-8, 9-16, ... sequences), and holds drafting back where that has been faster
-by 5% (trying the other choice for 4 steps after 64, that wait doubling to 512 while it stays the
-worse: tree/choice.py), so that speculation costs the batch little where it does not pay; each
-choice learns from the cycle its trees ran in (see _run).
+load class (2, 3-4, 5-8, 9-16, ... sequences), and allows drafting only where that has been faster
+by about 10% (held back is where it starts; the other choice is tried for 4 steps after 64, that
+wait doubling to 512 while it stays the worse: tree/choice.py), so that speculation costs the batch
+little where it does not pay; each choice learns from the cycle its trees ran in (see _run).
 """
 
 from __future__ import annotations
@@ -269,13 +269,17 @@ class BatchWorker(EngineWorker):
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
     explore_every, explore_steps, max_backoff, rate_decay, margin = 64, 4, 8, 0.95, 0.05  # see _choose_drafting
+    draft_margin = 0.05  # drafting allowed only where it has been the faster by this much more (see _choose_drafting)
 
     def _choose_drafting(self, active: list[Slot]) -> bool | None:
         """Whether the cost-aware slots may draft this step: with several sequences, whichever of
         drafting allowed / held back has given more tokens per second at this load class (each
         tried first; the other again for ``explore_steps`` steps after every ``explore_every``, that
         wait doubling up to ``max_backoff`` times while it stays the worse: a try of the worse kind
-        costs the whole batch). None: no choice to make (one sequence, whose own policy decides as
+        costs the whole batch). Held back is the kind in use at first, and drafting replaces it only
+        where its rate has been better by ``margin`` and ``draft_margin`` (about 10%; it then stays
+        while it is not the worse): rates measured at different moments carry the machine's noise,
+        and where speculation gains a few percent under load, a mistaken choice of it costs as much. None: no choice to make (one sequence, whose own policy decides as
         outside a batch, or none with a cost-aware policy): such steps are not learned from, or plain
         decoding's steps would count as steps with drafting allowed."""
         n = len(active)
@@ -285,7 +289,7 @@ class BatchWorker(EngineWorker):
         choice = self._choices.get(load)
         if choice is None:
             choice = self._choices[load] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
-                                                      self.rate_decay, self.margin)
+                                                      self.rate_decay, self.margin, self.draft_margin, in_use=False)
         return choice.choose()
 
     @staticmethod

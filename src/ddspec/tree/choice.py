@@ -16,15 +16,19 @@ from __future__ import annotations
 
 class RateChoice:
     def __init__(self, explore_every: int, explore_steps: int = 1, max_backoff: int = 8, decay: float = 0.9,
-                 margin: float = 0.0) -> None:
+                 margin: float = 0.0, draft_margin: float = 0.0, in_use: bool | None = None) -> None:
         """margin: the kind in use stays until the other's rate is better by this fraction (noisy
-        rates otherwise flip the choice back and forth)."""
+        rates otherwise flip the choice back and forth). draft_margin: drafting counts as better only
+        where its rate beats plain steps' by this fraction too (where a wrong choice of drafting costs
+        others, as in a batch, and rates measured at different moments carry the machine's noise).
+        in_use: the kind taken to be in use before the first choice (None: whichever the rates say,
+        drafting on a tie within the margin)."""
         self.explore_every, self.explore_steps, self.max_backoff, self.decay = (explore_every, explore_steps,
                                                                                 max_backoff, decay)
-        self.margin = margin
+        self.margin, self.draft_margin = margin, draft_margin
         self.rates = [0.0, 0.0, 0.0, 0.0]  # decayed tokens, time of drafted steps; tokens, time of plain steps
         self.tried = [0, 0]  # drafted, plain steps measured
-        self._best: bool | None = None
+        self._best: bool | None = in_use
         self._since, self._backoff, self._exploring = 0, 1, 0
 
     def choose(self) -> bool:
@@ -32,7 +36,7 @@ class RateChoice:
         if min(self.tried) < self.explore_steps:  # each kind tried first, drafting first
             return self.tried[0] < self.explore_steps
         drafted_tokens, drafted_time, plain_tokens, plain_time = self.rates
-        drafted, plain = drafted_tokens / drafted_time, plain_tokens / plain_time
+        drafted, plain = drafted_tokens / drafted_time, plain_tokens / plain_time * (1.0 + self.draft_margin)
         best = drafted >= plain * (1.0 + self.margin) if self._best is False else drafted * (1.0 + self.margin) >= plain
         if best != self._best:
             self._best, self._since, self._backoff, self._exploring = best, 0, 1, 0
