@@ -209,12 +209,13 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
     """The batch worker's choice between drafting and plain steps learns from each step's tokens per
     second, except from steps that also ran a prompt's prefill chunk (rows that give no token) and
     from steps where it chose nothing (no sequence with a cost-aware policy: plain decoding's steps
-    would count as steps with drafting allowed)."""
+    would count as steps with drafting allowed); each slot's policy is told the same of its steps."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
     from ddspec.models.loading import load_target
     from ddspec.server.batch import BatchWorker
     from ddspec.server.build import LiveServer, make_service
+    from ddspec.tree.cost import CostAwarePolicy
 
     target = load_target(str(tiny_dirs["llama"]), impl="native")
     last, learned = [None], []
@@ -224,6 +225,9 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
     learn = BatchWorker._learn_rate
     monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
         (n, prefill, last[0])) or learn(self, n, d, tokens, s, prefill))
+    observe_step, steps = CostAwarePolicy.observe_step, []
+    monkeypatch.setattr(CostAwarePolicy, "observe_step", lambda self, *a, **k: steps.append(
+        (self.beside_prefill, last[0])) or observe_step(self, *a, **k))
     with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=200, batch=4)) as url:
         concurrent_requests(url, [200] * 4, "vanilla")
         assert learned == []  # plain decoding alone: nothing to choose, nothing learned
@@ -231,6 +235,9 @@ def test_the_draft_or_not_choice_learns_from_decoding_steps_only(tiny_dirs, monk
         concurrent_requests(url, [60, 200, 200, 100, 200, 200], "ddspec")
     assert all(told == ran for _, told, ran in learned)  # each step's learning was told whether it prefilled
     assert any(told for _, told, _ in learned) and any(n >= 2 and not told for n, told, _ in learned)
+    # and so was each policy's (a step beside a prompt chunk teaches it no time)
+    steps = [(told, ran) for told, ran in steps if ran is not None]  # (not the calibration's timing runs)
+    assert all(told == ran for told, ran in steps) and any(told for told, _ in steps)
 
 
 @needs_kernels

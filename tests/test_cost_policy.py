@@ -223,3 +223,21 @@ def test_beside_a_batch_the_table_is_not_searched_where_no_chain_of_its_orders_c
     assert not steep.chains_may_pay((3,), 3) and steep.chain_length(3, 3) == 0
     steep.plain_only, steep.batch = False, (0, 0.0, 0.0)
     assert all(steep.chains_may_pay((102,), 3) for _ in range(20))
+
+
+def test_a_step_beside_another_sequences_prompt_chunk_teaches_no_time():
+    """A forward that also ran another sequence's prompt chunk (a batch's new request) is no
+    verification of the rows it held: the step's time changes neither the learned costs nor the
+    measured rates; the step still counts as taken."""
+    p = policy(linear_cost(2.0, 2.0, n_max=64))
+    p.batch, p.verified_beside, p.drafting, p.levels = (15, 15.0, 0.0), 271, True, 2
+    p.prediction = (17.0, 40.0)
+    before = (p.costs.snapshot(), p._real_ms, p._plain_ms_sum)
+    p.beside_prefill = True
+    p.observe_step(2, 3, 1.0, 190.0, 0.1)
+    p.drafting = False
+    p.observe_step(1, 1, 0.0, 190.0, 0.1)
+    assert (p.costs.snapshot(), p._real_ms, p._plain_ms_sum) == before and p.steps_seen == 2
+    p.beside_prefill, p.drafting = False, True
+    p.observe_step(2, 3, 1.0, 190.0, 0.1)
+    assert p.costs.snapshot() != before[0] and p._real_ms > before[1]

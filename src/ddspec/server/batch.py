@@ -169,10 +169,12 @@ class BatchWorker(EngineWorker):
             t_verify = time.perf_counter()
             seconds = t_verify - t
             total = sum(c[1].shape[-1] for c in calls)
+            prefill = any(c[5] for c in calls)
             for s, out in zip(ready, outs):
                 s.pending.seconds = seconds
-                if s.policy is not None:  # its learning: the other rows this forward verified
-                    s.policy.verified_beside = total - s.pending.tokens.shape[-1]
+                if s.policy is not None:  # its learning: the other rows this forward verified (a prompt
+                    s.policy.verified_beside = total - s.pending.tokens.shape[-1]  # chunk's: no time learned)
+                    s.policy.beside_prefill = prefill
                 s.pending, value = None, out
                 self._advance(s, value)
             # The trees this forward verified were drafted at the end of the previous step (each slot
@@ -181,7 +183,7 @@ class BatchWorker(EngineWorker):
             # are that choice's. A cycle that also prefilled a prompt chunk is not learned from.
             if self._cycle is not None:
                 made, n, since = self._cycle
-                self._learn_rate(n, made, self._step_tokens, t_verify - since, any(c[5] for c in calls))
+                self._learn_rate(n, made, self._step_tokens, t_verify - since, prefill)
             self._cycle = None if choice is None else (drafting, len(active), t_verify)
 
     def _begin(self, free: list[Slot], job: Job) -> Slot | None:

@@ -110,6 +110,7 @@ class CostAwarePolicy:
         # if it adds more tokens than the row costs the whole batch; (0, 0.0, 0.0) alone
         self.batch: tuple[int, float, float] = (0, 0.0, 0.0)
         self.verified_beside = 0  # rows of the other sequences in the forward just verified (server/batch.py)
+        self.beside_prefill = False  # that forward also ran another sequence's prompt chunk (server/batch.py)
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
         self._may_pay: tuple = (None, True)  # (key, answer) of may_pay
@@ -454,9 +455,14 @@ class CostAwarePolicy:
         draft phase also did other work (the head's catch-up), ``phase_ms`` then the whole phase's time.
         Beside other sequences the forward verified their rows too (``verified_beside``, as the
         forward had them) and the step's tokens count theirs (``batch``'s expected tokens): both are
-        kept in the batch's terms, as the forecasts are."""
+        kept in the batch's terms, as the forecasts are. A forward that also ran another sequence's
+        prompt chunk (``beside_prefill``) teaches no time: its rows are a prompt's, priced by no curve
+        of verification (learned as such, beside 16-row batches, they are the only forwards that reach
+        the curve's largest sizes, which a serving run had learned at 2.5x their calibrated cost and the
+        drift check then wrote into the calibration cache)."""
         rows, others = self.verified_beside, self.batch[1]
-        if self.drafting or not rows:  # (a plain step's time beside others teaches no plain step's cost)
+        timed = not self.beside_prefill  # another sequence's prompt chunk shared the forward: no step's time
+        if timed and (self.drafting or not rows):  # (a plain step's time beside others teaches no plain step's cost)
             self.costs.observe(rows + tree_size, self.levels, draft_ms, verify_ms, gap_ms, self.drafting)
         tokens = tokens + others
         if self.drafting:
@@ -465,14 +471,17 @@ class CostAwarePolicy:
             predicted_tokens, predicted_ms = told_tokens - self._probe_extra[0], told_ms - self._probe_extra[1]
             self._draft_tokens = self._draft_tokens * d + predicted_tokens
             self._draft_ms = self._draft_ms * d + predicted_ms
-            b = self.bias_decay
-            spent = (draft_ms if draft_ms is not None else phase_ms or 0.0) + verify_ms + max(gap_ms, 0.0)
-            self._real_tokens = self._real_tokens * b + tokens
-            self._real_ms = self._real_ms * b + spent
-            self._told_tokens = self._told_tokens * b + told_tokens
-            self._told_ms = self._told_ms * b + told_ms
+            if timed:
+                b = self.bias_decay
+                spent = (draft_ms if draft_ms is not None else phase_ms or 0.0) + verify_ms + max(gap_ms, 0.0)
+                self._real_tokens = self._real_tokens * b + tokens
+                self._real_ms = self._real_ms * b + spent
+                self._told_tokens = self._told_tokens * b + told_tokens
+                self._told_ms = self._told_ms * b + told_ms
             self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
+        elif not timed:
+            self._since_plain, self._since_draft = 0, self._since_draft + 1
         else:
             d = self.plain_decay
             self._plain_tokens = self._plain_tokens * d + tokens
