@@ -280,10 +280,11 @@ class BatchWorker(EngineWorker):
         wait doubling up to ``max_backoff`` times while it stays the worse: a try of the worse kind
         costs the whole batch). Held back is the kind in use at first, and drafting replaces it only
         where its rate has been better by ``margin`` and ``draft_margin`` (about 10%; it then stays
-        while it is not the worse): rates measured at different moments carry the machine's noise,
-        and where speculation gains a few percent under load, a mistaken choice of it costs as much. None: no choice to make (one sequence, whose own policy decides as
-        outside a batch, or none with a cost-aware policy): such steps are not learned from, or plain
-        decoding's steps would count as steps with drafting allowed."""
+        while it is not the slower): rates measured at different moments carry the machine's noise,
+        and where speculation gains a few percent under load, a mistaken choice of it costs as much.
+        None: no choice to make (one sequence, whose own policy decides as outside a batch, or none
+        with a cost-aware policy): such steps are not learned from, or plain decoding's steps would
+        count as steps with drafting allowed."""
         n = len(active)
         if n < 2 or not any(s.policy is not None for s in active):
             return None

@@ -114,7 +114,7 @@ class CostAwarePolicy:
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
         self._may_pay: tuple = (None, True)  # (key, answer) of may_pay
-        self._chains_pay: dict = {}  # beside a batch: chain lengths and chains_may_pay's answers, kept a while
+        self._chains_pay: dict = {}  # beside a batch: chain lengths and chains_may_pay answers (_kept)
         self._chain_refusals = 0
 
     @property
@@ -301,12 +301,7 @@ class CostAwarePolicy:
         if order <= 0 or available <= 0 or self.plain_only:
             return 0
         if self.batch[0]:  # beside a batch, per step and sequence: its prices kept as may_pay keeps its answer
-            key = (self.batch, self.steps_seen // self.may_pay_every, order, available)
-            best = self._chains_pay.get(key)
-            if best is None:
-                if len(self._chains_pay) > 64:
-                    self._chains_pay.clear()
-                best = self._chains_pay[key] = self._best_chain(order, available)
+            best = self._kept((order, available), lambda: self._best_chain(order, available))
         else:
             best = self._best_chain(order, available)
         if best < available:
@@ -335,6 +330,17 @@ class CostAwarePolicy:
                 best_l, best = l, rate
         return best_l
 
+    def _kept(self, what: tuple, compute):
+        """``compute()`` for ``what`` at the current batch pricing, kept for ``may_pay_every`` steps
+        (beside a batch every sequence asks each step; the costs and acceptance move slowly)."""
+        key = (self.batch, self.steps_seen // self.may_pay_every) + what
+        value = self._chains_pay.get(key)
+        if value is None:
+            if len(self._chains_pay) > 64:
+                self._chains_pay.clear()
+            value = self._chains_pay[key] = compute()
+        return value
+
     def chains_may_pay(self, orders: tuple[int, ...], available: int) -> bool:
         """Beside other sequences: whether a continuation of any of these n-gram ``orders`` (up to
         ``available`` tokens) could have a token worth verifying at the batch's prices, so that the
@@ -346,12 +352,8 @@ class CostAwarePolicy:
             return True
         if self.plain_only:
             return False
-        key = (self.batch, self.steps_seen // self.may_pay_every, orders, available, "any")
-        answer = self._chains_pay.get(key)
-        if answer is None:
-            if len(self._chains_pay) > 64:
-                self._chains_pay.clear()
-            answer = self._chains_pay[key] = any(self._best_chain(o, available) > 0 for o in orders)
+        answer = self._kept((orders, available, "any"),
+                            lambda: any(self._best_chain(o, available) > 0 for o in orders))
         if not answer:
             self._chain_refusals += 1
             return self._chain_refusals % self.chain_explore == 0
