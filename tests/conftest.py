@@ -16,6 +16,16 @@ os.environ["DDSPEC_POLICY_MEMORY"] = "0"
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
+@pytest.fixture(autouse=True)
+def _quiet_machine(monkeypatch):
+    """Measured costs are not cached while other programs load the CPU, and a test run may share it
+    (with a build, a benchmark, another test run): tests see a quiet machine unless they say
+    otherwise, so that a test of what a calibration caches does not depend on what else runs."""
+    from ddspec.machine import OtherLoad
+
+    monkeypatch.setattr(OtherLoad, "share", lambda self: 0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, object]:
     from ddspec.models.tiny import make_tiny_model_dir
