@@ -205,10 +205,10 @@ def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
 
 
 def test_beside_a_batch_the_table_is_not_searched_where_no_chain_of_its_orders_could_pay():
-    """chains_may_pay: beside 15 sequences on a forward whose every row costs the batch, a table match whose
-    tokens are accepted 1 time in 10 cannot pay for its rows, so the lookup is told not to search the
-    table, except every chain_explore-th time (its acceptance stays measured); an order accepted
-    almost always still may; alone the question is chain_length's, so the answer is always yes."""
+    """chains_may_pay: beside 15 sequences on a forward whose every row costs the batch, a table
+    match whose first token is accepted 1 time in 50 cannot pay for its row, so the lookup is told
+    not to search the table, except every chain_explore-th time (its acceptance stays measured); an
+    order accepted almost always still may; alone the question is chain_length's: always yes."""
     steep = policy(linear_cost(10.0, 0.5, n_max=256))  # a row costs the batch half a ms
     for _ in range(50):
         steep.observe_chain(102, 1, 0)  # a table order: rarely accepted
