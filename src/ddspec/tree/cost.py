@@ -113,8 +113,8 @@ class CostAwarePolicy:
         self.beside_prefill = False  # that forward also ran another sequence's prompt chunk (server/batch.py)
         self.plain_only = False  # the batch worker measured that drafting does not pay at this load: plain steps
         self._before_memory: dict | None = None  # the state before restore(), while a memory is in use
-        self._may_pay: tuple = (None, True)  # (key, answer) of may_pay
-        self._chains_pay: dict = {}  # beside a batch: chain lengths and chains_may_pay answers (_kept)
+        self._kept_for: tuple | None = None  # the (batch, step bucket) the answers in _kept_answers are for
+        self._kept_answers: dict = {}  # beside a batch: may_pay, chain lengths, chains_may_pay (see _kept)
         self._chain_refusals = 0
 
     @property
@@ -197,19 +197,18 @@ class CostAwarePolicy:
         and acceptance it reads move slowly), recomputed when the batch changes."""
         if not self.batch[0]:
             return True
-        key = (self.batch, self.steps_seen // self.may_pay_every)
-        if self._may_pay[0] != key:
-            gains = self._gains([self.child_logprob * (i + 1) for i in range(self.max_depth)])  # the chain's
-            plain_ms = self._batch_plain_ms()
-            bar = self.may_pay_within * gains[0] / plain_ms  # tokens per added ms that pay
-            pays = False
-            for levels in range(1, len(gains)):  # verifying the root and that many levels of the chain
-                added = self._step_ms(levels, levels + 1)[levels] - plain_ms
-                if added <= 0.0 or (gains[levels] - gains[0]) / added >= bar:
-                    pays = True
-                    break
-            self._may_pay = (key, pays)
-        return self._may_pay[1]
+        return self._kept(("may_pay",), self._chain_pays)
+
+    def _chain_pays(self) -> bool:
+        """may_pay's answer, computed."""
+        gains = self._gains([self.child_logprob * (i + 1) for i in range(self.max_depth)])  # the chain's
+        plain_ms = self._batch_plain_ms()
+        bar = self.may_pay_within * gains[0] / plain_ms  # tokens per added ms that pay
+        for levels in range(1, len(gains)):  # verifying the root and that many levels of the chain
+            added = self._step_ms(levels, levels + 1)[levels] - plain_ms
+            if added <= 0.0 or (gains[levels] - gains[0]) / added >= bar:
+                return True
+        return False
 
     def draft_rate(self) -> float | None:
         """Tokens per ms expected of recent drafted steps (None before ``min_drafted`` of them).
@@ -331,14 +330,15 @@ class CostAwarePolicy:
         return best_l
 
     def _kept(self, what: tuple, compute):
-        """``compute()`` for ``what`` at the current batch pricing, kept for ``may_pay_every`` steps
-        (beside a batch every sequence asks each step; the costs and acceptance move slowly)."""
-        key = (self.batch, self.steps_seen // self.may_pay_every) + what
-        value = self._chains_pay.get(key)
+        """``compute()`` for ``what``, kept while the batch pricing stays and for ``may_pay_every``
+        steps (beside a batch every sequence asks each step; the costs and acceptance move slowly);
+        everything kept is dropped when either changes."""
+        at = (self.batch, self.steps_seen // self.may_pay_every)
+        if self._kept_for != at:
+            self._kept_for, self._kept_answers = at, {}
+        value = self._kept_answers.get(what)
         if value is None:
-            if len(self._chains_pay) > 64:
-                self._chains_pay.clear()
-            value = self._chains_pay[key] = compute()
+            value = self._kept_answers[what] = compute()
         return value
 
     def chains_may_pay(self, orders: tuple[int, ...], available: int) -> bool:
@@ -482,20 +482,19 @@ class CostAwarePolicy:
                 self._told_ms = self._told_ms * b + told_ms
             self._drafted += 1
             self._since_draft, self._since_plain = 0, self._since_plain + 1
-        elif not timed:
-            self._since_plain, self._since_draft = 0, self._since_draft + 1
         else:
-            d = self.plain_decay
-            self._plain_tokens = self._plain_tokens * d + tokens
-            self._plain_ms_sum = self._plain_ms_sum * d + verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
-            self._plain_weight = self._plain_weight * d + 1.0
-            self._plain_steps += 1
-            if tree_size > 1:  # it verified a lookup chain
-                step_ms = verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
-                c = self.chain_decay
-                self._chain_tokens = self._chain_tokens * c + tokens
-                self._chain_ms = self._chain_ms * c + step_ms
-                self._chain_steps += 1
+            if timed:
+                d = self.plain_decay
+                self._plain_tokens = self._plain_tokens * d + tokens
+                self._plain_ms_sum = self._plain_ms_sum * d + verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
+                self._plain_weight = self._plain_weight * d + 1.0
+                self._plain_steps += 1
+                if tree_size > 1:  # it verified a lookup chain
+                    step_ms = verify_ms + (draft_ms or 0.0) + max(gap_ms, 0.0)
+                    c = self.chain_decay
+                    self._chain_tokens = self._chain_tokens * c + tokens
+                    self._chain_ms = self._chain_ms * c + step_ms
+                    self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
         self.steps_seen += 1
         if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
