@@ -133,6 +133,31 @@ def test_k_int8_activations_compute_their_integer_arithmetic(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q3_K, T.Q5_K, T.Q6_K, T.Q5_1])
+@pytest.mark.parametrize("levels", ["top", "bottom"])
+def test_k_int8_sums_at_the_levels_extremes_are_exact(qtype, levels):
+    """The 8-bit-activation passes multiply the unsigned stored levels (Q6_K's q + 32: up to 63) two
+    quads at a time in 16-bit lanes and take the zero point back times the row's sum: with every
+    level at its largest (or smallest) value and every activation at +-127 the sums reach their
+    bounds (4 * 63 * 127 = 32004 in a lane), where an overflow or a wrong zero point would be far
+    off the reference."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = k_raw(qtype, 32, 512, seed=5)
+    blocks = raw.reshape(32, -1, size)
+    span = {T.Q3_K: (0, 96), T.Q5_K: (16, 176), T.Q6_K: (0, 192), T.Q5_1: (4, 24)}[qtype]
+    blocks[..., span[0]:span[1]] = 0xFF if levels == "top" else 0
+    kind, qs, d, m = native_blocks(int(qtype), raw, 32)
+    weight = block_weight(kind, 512, qs, d, m)
+    fast = weight.with_int8_activations()
+    x = torch.ones(4, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # signs alternating within every quad
+    x[3] = torch.linspace(-3.0, 2.0, 512)
+    y, ref = fast(x), k_int8_reference(weight, x)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 2e-6
+
+
+@needs_kernels
 def test_a_q4_k_weight_stacks_with_a_q6_k_one_in_8_bit_levels():
     """q|k|v with q and k in Q4_K and v in Q6_K (as a Q4_K_M file has them): one q6_k matmul, each
     output equal to its own weight's within fp32 rounding."""

@@ -66,9 +66,11 @@ static inline __attribute__((always_inline)) __m256i a8_acc32(__m256i s, __m256i
     } while (0)
 
 /* Rows [0, n) of x [n, in] -> qx [n, in] int8 and their scales dx [n, in / 32]; with sq, also
- * each block's integer sum of qx (the rounded values are within [-127, 127], so the packs below
- * never saturate and the sum of the 32-bit values is the sum of qx). */
-static DD_UNUSED void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx, int32_t *sq) {
+ * the integer sums of qx per block (per = 1: sq [n, in / 32]) or per 16 inputs (per = 2: sq
+ * [n, in / 16]); the rounded values are within [-127, 127], so the packs below never saturate and
+ * the sums of the 32-bit values are the sums of qx. */
+static DD_UNUSED void quantise_rows_a8(const float *x, int64_t n, int64_t in, int8_t *qx, float *dx, int32_t *sq,
+                                       int per) {
     const int64_t nb = in / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -87,12 +89,16 @@ static DD_UNUSED void quantise_rows_a8(const float *x, int64_t n, int64_t in, in
             for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
             const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
             _mm256_storeu_si256((__m256i *)(qx + r * in + b * 32), _mm256_permutevar8x32_epi32(p16, order));
-            if (sq) {
-                const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+            if (sq) { /* lanes 0-3 of h: inputs 0-15, 4-7: 16-31; then each half's sum in all its lanes */
+                const __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
                 __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-                sq[r * nb + b] = _mm_cvtsi128_si32(h);
+                h = _mm_hadd_epi32(h, h);
+                if (per == 2) {
+                    sq[r * 2 * nb + 2 * b] = _mm_cvtsi128_si32(h);
+                    sq[r * 2 * nb + 2 * b + 1] = _mm_extract_epi32(h, 1);
+                } else {
+                    sq[r * nb + b] = _mm_cvtsi128_si32(h) + _mm_extract_epi32(h, 1);
+                }
             }
         }
 }
@@ -121,9 +127,10 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
                      * 13.5-13.7, 1 row 6.0-6.6 -> 6.1-6.3; 4 or 8 blocks ahead slowed 1 row (6.3-6.6) */
 #endif
 
-/* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile). */
+/* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile); sq: the rows'
+ * sums of qx per 16 inputs for DD_Q6_K_A8 (its zero points), else NULL. */
 typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
-                        float *y, int64_t ldy, int accumulate);
+                        const int32_t *sq, float *y, int64_t ldy, int accumulate);
 /* Rows [0, R) against groups [g, g + G) on 16 lanes (DD_WIDE_A8); sq: the rows' integer block sums of qx. */
 typedef void (*a8_wide_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,
                              const int32_t *sq, float *y, int64_t ldy, int accumulate);
@@ -134,12 +141,12 @@ static inline int a8_minimums(int64_t kind) {
 }
 
 /* a8_gemm's buffers: the rounded rows qx, their scales dx and block sums sx (one allocation), and
- * with with_sq the block sums of qx */
-static void a8_alloc(int64_t n, int64_t in, int with_sq, int8_t **qx, float **dx, int32_t **sq) {
+ * with per the sums of qx per block (1) or per 16 inputs (2) */
+static void a8_alloc(int64_t n, int64_t in, int per, int8_t **qx, float **dx, int32_t **sq) {
     const int64_t nb = in / 32;
     *qx = aligned_alloc(32, (size_t)((n * in + 31) / 32 * 32));
     *dx = malloc(sizeof(float) * (size_t)(2 * n * nb + 1));
-    *sq = with_sq ? malloc(sizeof(int32_t) * (size_t)(n * nb + 1)) : NULL;
+    *sq = per ? malloc(sizeof(int32_t) * (size_t)(per * n * nb + 1)) : NULL;
 }
 
 /* Frees them after the last pass: each thread its own, or one thread the shared ones. */
@@ -170,9 +177,10 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
 #if DD_WIDE_A8
     const int64_t G = wide ? wide_groups(W->kind, n) : 0;
     /* the 16-lane Q8_0 passes add 128 to the levels and take it back with the block sums of qx */
-    const int with_sq = G && W->kind == DD_Q8_0_A8;
+    const int per = G && W->kind == DD_Q8_0_A8 ? 1 : W->kind == DD_Q6_K_A8 ? 2 : 0;
 #else
-    const int with_sq = 0;
+    /* DD_Q6_K_A8 multiplies its levels with their zero points and takes z * (sum of qx) back per 16 inputs */
+    const int per = W->kind == DD_Q6_K_A8 ? 2 : 0;
     (void)wide;
 #endif
     /* from dd_share_rows rows on, the threads round the rows between them into one shared copy; with
@@ -185,27 +193,27 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     int32_t *sq = NULL;
     if (share && dd_bars) { /* thread 0 allocates, and hands the pointers over across a barrier */
         if (omp_get_thread_num() == 0) {
-            a8_alloc(n, in, with_sq, &qx, &dx, &sq);
+            a8_alloc(n, in, per, &qx, &dx, &sq);
             dd_bars->slot[0] = qx, dd_bars->slot[1] = dx, dd_bars->slot[2] = sq;
         }
         dd_sync();
         qx = dd_bars->slot[0], dx = dd_bars->slot[1], sq = dd_bars->slot[2];
     } else if (share) {
 #pragma omp single copyprivate(qx, dx, sq)
-        a8_alloc(n, in, with_sq, &qx, &dx, &sq);
+        a8_alloc(n, in, per, &qx, &dx, &sq);
     } else {
-        a8_alloc(n, in, with_sq, &qx, &dx, &sq);
+        a8_alloc(n, in, per, &qx, &dx, &sq);
     }
     float *sx = dx + n * nb;
     if (share) {
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < n; r++) {
-            quantise_rows_a8(x + r * in, 1, in, qx + r * in, dx + r * nb, sq ? sq + r * nb : NULL);
+            quantise_rows_a8(x + r * in, 1, in, qx + r * in, dx + r * nb, sq ? sq + r * per * nb : NULL, per);
             if (a8_minimums(W->kind)) block_sums(x + r * in, 1, in, sx + r * nb);
         }
         dd_sync();
     } else {
-        quantise_rows_a8(x, n, in, qx, dx, sq);
+        quantise_rows_a8(x, n, in, qx, dx, sq, per);
         if (a8_minimums(W->kind)) block_sums(x, n, in, sx);
     }
 #if DD_WIDE_A8
@@ -231,7 +239,8 @@ static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int
     for (int64_t g = -1; span_next(groups, 1, &g) > 0;)
         for (int64_t t = 0, r = 0; t < tiles; t++) {
             const int64_t rows = n / tiles + (t < n % tiles);
-            passes[rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, y + r * ldy, ldy, acc);
+            passes[rows - 1](W, g, qx + r * in, dx + r * nb, sx + r * nb, sq ? sq + r * per * nb : NULL, y + r * ldy,
+                             ldy, acc);
             r += rows;
         }
     dd_sync();

@@ -182,26 +182,28 @@ static inline __attribute__((always_inline)) void k_minimum(int64_t kind, const 
         free(sx);                                                                                   \
     }
 
-/* 8-bit activations: the zero points as bytes in the levels' order (zv[0]: byte 4o + j = z of output
- * o, zv[1]: of output o + 8) */
+/* 8-bit activations: the zero points of outputs 0-7 (zv[0]) and 8-15 (zv[1]) as shift counts, 32-bit
+ * lanes: z is 32, 4 or 0 (see the layout), z * S = S << log2(z), and a count of 32 or more (z = 0:
+ * the float 0's exponent field less 127, as unsigned) shifts every bit out; no multiplication. */
+static inline __attribute__((always_inline)) __m256i k_zero_shift(const uint8_t *z) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)z)));
+    return _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(f), 23), _mm256_set1_epi32(127));
+}
+
 static inline __attribute__((always_inline)) void k_zeros_a8(int64_t kind, const uint8_t *blk, __m256i *zv) {
     if (K_ZERO(kind)) {
-        const __m256i z = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 48)));
-        zv[0] = _mm256_shuffle_epi8(z, _mm256_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5,
-                                                        6, 6, 6, 6, 7, 7, 7, 7));
-        zv[1] = _mm256_shuffle_epi8(z, _mm256_setr_epi8(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11, 12, 12, 12,
-                                                        12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15));
+        zv[0] = k_zero_shift(blk + 48);
+        zv[1] = k_zero_shift(blk + 56);
     } else {
         zv[0] = zv[1] = _mm256_setzero_si256();
     }
 }
 
-/* 8-bit activations, 6-bit levels of quad i (inputs 4i .. 4i + 3): w0 byte 4o + j = level of output
- * o, w1 of output o + 8, less z (signed where the kind has zero points, else 0..63). Stored per quad
- * as the low nibbles in DD_Q4_1_A8's order (32 bytes), then 16 bytes of high 2-bit pairs: bits
- * 2s, 2s + 1 of byte b belong to level b + 16 s of the 64 (w0's 32 bytes, then w1's). */
-static inline __attribute__((always_inline)) void k_levels_a8(int64_t kind, const uint8_t *blk, int i, const __m256i *zv,
-                                                              __m256i *w0, __m256i *w1) {
+/* 8-bit activations, 6-bit levels of quad i (inputs 4i .. 4i + 3) as unsigned bytes u = q + z
+ * (0..63): w0 byte 4o + j = level of output o, w1 of output o + 8. Stored per quad as the low
+ * nibbles in DD_Q4_1_A8's order (32 bytes), then 16 bytes of high 2-bit pairs: bits 2s, 2s + 1 of
+ * byte b belong to level b + 16 s of the 64 (w0's 32 bytes, then w1's). */
+static inline __attribute__((always_inline)) void k_levels_a8(const uint8_t *blk, int i, __m256i *w0, __m256i *w1) {
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 64 + 32 * i));
     const __m256i H = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + 320 + 16 * i)));
@@ -209,10 +211,19 @@ static inline __attribute__((always_inline)) void k_levels_a8(int64_t kind, cons
     const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi64(H, _mm256_setr_epi64x(0, 0, 2, 2)), top);
     *w0 = _mm256_or_si256(_mm256_and_si256(L, low), h0);
     *w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), low), h1);
-    if (K_ZERO(kind)) {
-        *w0 = _mm256_sub_epi8(*w0, zv[0]);
-        *w1 = _mm256_sub_epi8(*w1, zv[1]);
-    }
+}
+
+/* s + the products of two quads' unsigned levels (ua, ub: 0..63) and one row's rounded activations
+ * (xa, xb), in 32-bit lanes: without VNNI the two quads' pair sums are added in 16 bits before
+ * widening (4 products of at most 63 * 127 each: |sum| <= 32004 < 2^15, never saturating). */
+static inline __attribute__((always_inline)) __m256i k_acc_pair(__m256i s, __m256i ua, __m256i xa, __m256i ub,
+                                                                __m256i xb) {
+#if DD_VNNI
+    return DD_DPBUSD(DD_DPBUSD(s, ua, xa), ub, xb);
+#else
+    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(ua, xa), _mm256_maddubs_epi16(ub, xb));
+    return _mm256_add_epi32(s, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+#endif
 }
 
 /* 8-bit activations: t[0..16) += fl(fl(d * sc) * dx) * s for sub-block h (s: integer sums) */
@@ -225,13 +236,16 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
                                            _mm256_load_ps(t + 8)));
 }
 
-/* 8-bit activations, rows [0, R) against group g: per sub-block 2R integer sums in registers (the
- * 4-bit levels' in 16-bit lanes without VNNI, at most 8 * 2 * 15 * 127 < 2^15, as DD_Q4_1_A8's;
- * the 8-bit levels' products widened at once, as DD_Q8_0_A8's: |q| times x carrying q's sign) */
+/* 8-bit activations, rows [0, R) against group g: per sub-block 2R integer sums in registers. The
+ * 4-bit levels' in 16-bit lanes without VNNI (at most 8 * 2 * 15 * 127 < 2^15, as DD_Q4_1_A8's);
+ * the 6-bit ones as unsigned bytes u = q + z, two quads at a time (k_acc_pair), less z times the
+ * row's sum of qx over the sub-block (sq: the rows' sums per 16 inputs), which is the same integer
+ * as the sum of (u - z) * qx: multiplying the unsigned levels needs no sign moved onto each
+ * activation (two instructions per row and quad fewer without VNNI) */
 #define KAPASS(KIND_ID, KIND, R)                                                                    \
     static void kapass_##KIND##_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, \
-                                    const float *sx, float *y, int64_t ldy, int accumulate) {       \
-        enum { BYTES = K_BYTES(KIND_ID), SUBS = K_HALVES(KIND_ID) ? 2 : 1 };                        \
+                                    const float *sx, const int32_t *sq, float *y, int64_t ldy, int accumulate) { \
+        enum { BYTES = K_BYTES(KIND_ID), SUBS = K_HALVES(KIND_ID) ? 2 : 1, QUADS = 8 / SUBS };      \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
         float tot[R * 16] __attribute__((aligned(32)));                                             \
         memset(tot, 0, sizeof(tot));                                                                \
@@ -245,22 +259,30 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
             _Pragma("GCC unroll 2") for (int h = 0; h < SUBS; h++) {                                \
                 __m256i s0[R], s1[R];                                                               \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256(); \
-                _Pragma("GCC unroll 8") for (int i = h * (8 / SUBS); i < (h + 1) * (8 / SUBS); i++) { \
-                    if (K_NIBBLES(KIND_ID)) {                                                       \
+                if (K_NIBBLES(KIND_ID)) {                                                           \
+                    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {                           \
                         const __m256i L = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * i)); \
                         A8_NIBBLE_QUAD(R, L, qx + b * 32 + 4 * i, in, s0, s1);                      \
-                    } else {                                                                        \
-                        __m256i w0, w1;                                                             \
-                        k_levels_a8(KIND_ID, blk, i, zv, &w0, &w1);                                 \
-                        const __m256i a0 = K_ZERO(KIND_ID) ? _mm256_abs_epi8(w0) : w0;              \
-                        const __m256i a1 = K_ZERO(KIND_ID) ? _mm256_abs_epi8(w1) : w1;              \
+                    }                                                                               \
+                } else {                                                                            \
+                    _Pragma("GCC unroll 4") for (int i = h * QUADS; i < (h + 1) * QUADS; i += 2) {  \
+                        __m256i ua0, ua1, ub0, ub1;                                                 \
+                        k_levels_a8(blk, i, &ua0, &ua1);                                            \
+                        k_levels_a8(blk, i + 1, &ub0, &ub1);                                        \
                         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
-                            const __m256i xb = bcast4(qx + r * in + b * 32 + 4 * i);                \
-                            s0[r] = a8_acc32(s0[r], a0, K_ZERO(KIND_ID) ? _mm256_sign_epi8(xb, w0) : xb); \
-                            s1[r] = a8_acc32(s1[r], a1, K_ZERO(KIND_ID) ? _mm256_sign_epi8(xb, w1) : xb); \
+                            const int8_t *xq = qx + r * in + b * 32 + 4 * i;                        \
+                            const __m256i xa = bcast4(xq), xb = bcast4(xq + 4);                     \
+                            s0[r] = k_acc_pair(s0[r], ua0, xa, ub0, xb);                            \
+                            s1[r] = k_acc_pair(s1[r], ua1, xa, ub1, xb);                            \
                             __asm__("" : "+x"(s0[r]), "+x"(s1[r]));                                 \
                         }                                                                           \
                     }                                                                               \
+                    if (K_ZERO(KIND_ID))                                                            \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                       \
+                            const __m256i S = _mm256_set1_epi32(sq[r * 2 * nb + 2 * b + h]);        \
+                            s0[r] = _mm256_sub_epi32(s0[r], _mm256_sllv_epi32(S, zv[0]));           \
+                            s1[r] = _mm256_sub_epi32(s1[r], _mm256_sllv_epi32(S, zv[1]));           \
+                        }                                                                           \
                 }                                                                                   \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                               \
                     const __m256i w0 = K_NIBBLES(KIND_ID) ? a8_widen(s0[r]) : s0[r];                \

@@ -24,7 +24,8 @@ QGEMM(DD_Q4_1, q4_1)
  * memory (16 vector registers hold the sums, the levels and a broadcast row, no more). */
 #define APASS(R)                                                                                    \
     static void apass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,        \
-                          const float *sx, float *y, int64_t ldy, int accumulate) {                 \
+                          const float *sx, const int32_t *sq, float *y, int64_t ldy, int accumulate) { \
+        (void)sq;                                                                                   \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
         enum { BYTES = BLOCK_BYTES(DD_Q4_1) };                                                      \
         float tot[R * 16] __attribute__((aligned(32)));                                             \

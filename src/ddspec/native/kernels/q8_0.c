@@ -13,7 +13,8 @@ QGEMM(DD_Q8_0, q8_0)
  * q(o, 4i + j)) and 32 for outputs 8-15. */
 #define QAPASS(R)                                                                                   \
     static void qapass_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx,       \
-                           const float *sx, float *y, int64_t ldy, int accumulate) {                \
+                           const float *sx, const int32_t *sq, float *y, int64_t ldy, int accumulate) { \
+        (void)sq;                                                                                   \
         (void)sx; /* no minimum in Q8_0 */                                                          \
         const int64_t nb = W->in / 32, in = W->in;                                                  \
         enum { BYTES = BLOCK_BYTES(DD_Q8_0) };                                                      \
