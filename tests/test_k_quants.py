@@ -157,6 +157,18 @@ def test_k_int8_sums_at_the_levels_extremes_are_exact(qtype, levels):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() <= 2e-6
 
 
+def test_a_zero_point_the_8_bit_passes_cannot_shift_is_refused():
+    """The 8-bit-activation passes subtract z * (the activations' sum) as a shift: a q6_k weight whose
+    zero points are not 0 or a power of two is refused when packed for them, not computed wrongly."""
+    kind, qs, d, m = native_blocks(int(T.Q3_K), k_raw(T.Q3_K, 16, 256, seed=3), 16)
+    block_weight(kind, 256, qs, d, m).with_int8_activations().packed  # z = 4: taken
+    m[..., 3] = 8  # another power of two: taken
+    block_weight(kind, 256, qs, d, m).with_int8_activations().packed
+    m[..., 3] = 5  # Q3_K's levels -4..3 plus 5 stay within 0..63, but 5 is no shift
+    with pytest.raises(ValueError, match="power of two"):
+        block_weight(kind, 256, qs, d, m).with_int8_activations().packed
+
+
 @needs_kernels
 def test_a_q4_k_weight_stacks_with_a_q6_k_one_in_8_bit_levels():
     """q|k|v with q and k in Q4_K and v in Q6_K (as a Q4_K_M file has them): one q6_k matmul, each

@@ -273,6 +273,9 @@ def _pack_k(kind: str, out: int, inp: int, qs, d, m, grouped) -> tuple:
             u = (levels.view(torch.uint8).reshape(groups, nb, 32, GROUP) + zero.view(torch.uint8).unsqueeze(2))
             if u.max() > 63:
                 raise ValueError("a q6_k weight's levels plus their zero points are 0..63")
+            if not torch.isin(zero, torch.tensor([0, 1, 2, 4, 8, 16, 32], dtype=zero.dtype)).all():
+                # the 8-bit-activation passes take z * (sum of the activations) back as a shift
+                raise ValueError("a q6_k weight's zero points are 0 or a power of two (32 for Q6_K, 4 for Q3_K)")
             body = _bits6(u.reshape(groups, inp, GROUP), kind, groups, nb)
         else:
             body = _bytes8(levels, kind, groups, nb)
