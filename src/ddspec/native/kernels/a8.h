@@ -174,13 +174,13 @@ static void a8_free(int shared, int8_t *qx, float *dx, int32_t *sq) {
 static void a8_gemm(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc,
                     const a8_pass *passes, int64_t tile, const a8_wide_pass (*wide)[WIDE_TILE]) {
     const int64_t groups = (W->out + 15) / 16, nb = W->in / 32, in = W->in;
+    /* DD_Q6_K_A8 multiplies its levels with their zero points and takes z * (sum of qx) back per 16 inputs */
+    int per = W->kind == DD_Q6_K_A8 ? 2 : 0;
 #if DD_WIDE_A8
     const int64_t G = wide ? wide_groups(W->kind, n) : 0;
     /* the 16-lane Q8_0 passes add 128 to the levels and take it back with the block sums of qx */
-    const int per = G && W->kind == DD_Q8_0_A8 ? 1 : W->kind == DD_Q6_K_A8 ? 2 : 0;
+    if (G && W->kind == DD_Q8_0_A8) per = 1;
 #else
-    /* DD_Q6_K_A8 multiplies its levels with their zero points and takes z * (sum of qx) back per 16 inputs */
-    const int per = W->kind == DD_Q6_K_A8 ? 2 : 0;
     (void)wide;
 #endif
     /* from dd_share_rows rows on, the threads round the rows between them into one shared copy; with

@@ -241,7 +241,8 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
  * the 6-bit ones as unsigned bytes u = q + z, two quads at a time (k_acc_pair), less z times the
  * row's sum of qx over the sub-block (sq: the rows' sums per 16 inputs), which is the same integer
  * as the sum of (u - z) * qx: multiplying the unsigned levels needs no sign moved onto each
- * activation (two instructions per row and quad fewer without VNNI) */
+ * activation, and two quads share a widening (six instructions per row and quad without VNNI,
+ * against nine) */
 #define KAPASS(KIND_ID, KIND, R)                                                                    \
     static void kapass_##KIND##_##R(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, \
                                     const float *sx, const int32_t *sq, float *y, int64_t ldy, int accumulate) { \
