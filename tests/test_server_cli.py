@@ -158,10 +158,13 @@ def serve_in_thread(handler) -> http.server.ThreadingHTTPServer:
 def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
     """--url of an OpenAI-compatible server that is not ddspec (llama.cpp's server streams no ddspec
     usage fields, and its /health names no model): its tokens are counted from the stream, τ is
-    reported as unknown and the prefix-reuse chat is skipped, with a line saying so."""
+    reported as unknown and the prefix-reuse chat is skipped, with a line saying so. Its load requests
+    ask for the whole prompt to be prefilled (ddspec's field) and carry no llama.cpp field."""
+    bodies = []
+
     class Foreign(OpenAIStandIn):
         def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             self.stream(("It", " is", " blue", "."))
 
     server = serve_in_thread(Foreign)
@@ -178,6 +181,38 @@ def test_bench_serve_measures_another_openai_server(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     captured = capsys.readouterr()
     assert "the reuse chat is skipped" in captured.err and "| vanilla | 2 | 3 |" in captured.out
+    load = [b for b in bodies if b["messages"][0]["content"] != "Hello!"]  # (the warm-up's)
+    assert len(load) == 6 and all(b["ddspec"]["prefix_reuse"] is False and "cache_prompt" not in b for b in load)
+
+
+def test_bench_serve_turns_a_llama_cpp_url_s_prompt_cache_off(tmp_path, capsys):
+    """--url of a server that describes itself as llama.cpp's (/props): its load requests carry
+    llama.cpp's own field for a full prefill, as those of the llama.cpp arm do."""
+    bodies = []
+
+    class Llama(OpenAIStandIn):
+        def do_GET(self):
+            if self.path != "/props":
+                return super().do_GET()
+            body = json.dumps({"default_generation_settings": {"n_ctx": 2048}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.stream(("a",))
+
+    server = serve_in_thread(Llama)
+    try:
+        status = main(["bench-serve", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--methods", "vanilla",
+                       "--concurrency", "2", "--requests", "2", "--max-tokens", "4", "--reuse-trials", "0"])
+    finally:
+        server.shutdown()
+    assert status == 0
+    load = [b for b in bodies if b["messages"][0]["content"] != "Hello!"]
+    assert len(load) == 2 and all(b["cache_prompt"] is False for b in load)
 
 
 def test_bench_serve_reports_a_stuck_server_as_errors_and_keeps_each_completed_level(tmp_path, capsys):
@@ -228,6 +263,9 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert self.path == "/v1/chat/completions" and req["stream"] and req["temperature"] == 0
+        # the load requests (6 tokens; the warm-up asks for 8) turn its prompt cache off: the runs
+        # repeat the same prompts, which its slots would otherwise still hold
+        assert req["cache_prompt"] is (req["max_tokens"] != 6)
         self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
         for piece in ["a"] * min(req["max_tokens"], 5):
             self.wfile.write(("data: " + json.dumps({{"choices": [{{"delta": {{"content": piece}}}}]}}) + "\n\n").encode())
@@ -248,7 +286,7 @@ def test_bench_serve_measures_llama_cpps_server_in_the_same_run(tmp_path, capsys
     fake.chmod(0o755)
     out = tmp_path / "bench"
     status = main(["bench-serve", "--model", str(gguf), "--methods", "vanilla", "--concurrency", "1,2",
-                   "--requests", "2", "--max-tokens", "8", "--reuse-trials", "0", "--threads", "1",
+                   "--requests", "2", "--max-tokens", "6", "--reuse-trials", "0", "--threads", "1",
                    "--activations", "int8", "--llama-server", str(fake), "--slots", "4", "--out", str(out)])
     assert status == 0
     rows = json.loads((out / "results.json").read_text())["rows"]

@@ -3,7 +3,10 @@
 1. Throughput and latency: for each method (per request, through ``"ddspec": {"method": M}``) and
    each concurrency level, ``--requests`` streaming chat requests (first turns of the prompt
    file, greedy) are sent by that many concurrent clients; reported: requests/s, generated
-   tokens/s, p50/p99 latency, p50 time to first token, τ.
+   tokens/s, p50/p99 latency, p50 time to first token, τ. Every run repeats the same prompts, so
+   each request asks for its whole prompt to be prefilled (ddspec's ``"prefix_reuse": false``,
+   llama.cpp's ``"cache_prompt": false``): a server whose caches still held a prompt from the run
+   before would otherwise skip its prefill.
 2. Prefix reuse: a three-turn chat (a prompt's two turns, then ``FOLLOW_UP``) is answered; then,
    ``--reuse-trials`` times, turn 2 is sent again (which puts the history in the caches) and
    turn 3 is timed to its first token with reuse, then without (``"prefix_reuse": false``).
@@ -53,10 +56,11 @@ class Sample:
 
 
 class Client:
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
-        """timeout: seconds a request may wait for the server's next bytes before it counts as an error."""
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, llama: bool = False) -> None:
+        """timeout: seconds a request may wait for the server's next bytes before it counts as an error;
+        llama: the server is llama.cpp's (its own field turns its prompt cache off: ``cache_prompt``)."""
         parts = urlsplit(url)
-        self.host, self.port, self.timeout = parts.hostname, parts.port or 80, timeout
+        self.host, self.port, self.timeout, self.llama = parts.hostname, parts.port or 80, timeout, llama
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -72,11 +76,14 @@ class Client:
 
     def chat(self, messages: list[dict], max_tokens: int, method: str | None = None,
              prefix_reuse: bool = True) -> Sample:
-        """One streaming chat request, timed; raises on any status but 200."""
+        """One streaming chat request, timed; raises on any status but 200. prefix_reuse=False: the
+        server prefills the whole prompt, whatever its caches hold (ddspec's field, llama.cpp's own)."""
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, "ddspec": {"prefix_reuse": prefix_reuse}}
         if method:
             body["ddspec"]["method"] = method
+        if self.llama:
+            body["cache_prompt"] = prefix_reuse
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             t0 = time.perf_counter()
@@ -120,7 +127,9 @@ def percentile(values: list[float], q: float) -> float:
 def load_run(client: Client, method: str, concurrency: int, prompts: list[str], requests: int,
              max_tokens: int) -> dict:
     """``requests`` chat requests by ``concurrency`` client threads; returns the aggregate row (with
-    ``answers``: request number -> its text, for the comparison with the solo answers)."""
+    ``answers``: request number -> its text, for the comparison with the solo answers). Each request
+    is prefilled in full: the runs repeat the same prompts, which a server's caches would otherwise
+    still hold from the run before (prefix reuse is measured on its own: reuse_run)."""
     todo = iter(range(requests))
     lock = threading.Lock()
     samples: list[Sample] = []
@@ -134,7 +143,8 @@ def load_run(client: Client, method: str, concurrency: int, prompts: list[str], 
             if i is None:
                 return
             try:
-                s = client.chat([{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens, method)
+                s = client.chat([{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens, method,
+                                prefix_reuse=False)
             except Exception as e:  # noqa: BLE001 - reported in the row
                 with lock:
                     errors.append(str(e))
@@ -349,14 +359,25 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
             url = live.url
         client = Client(url, args.api_key, args.request_timeout)
         health = client.get("/health")
+        client.llama = b is None and _is_llama(client)  # --url of a llama.cpp server: its prompt cache off too
         for method in methods:
             warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
             label = method if len(args.batch) == 1 else f"{method} (batch {b})"
             arms.append(Arm(label, client, method, warm.tau is not None))
     if args.llama_server:
-        arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url, timeout=args.request_timeout), None))
+        arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url, timeout=args.request_timeout, llama=True),
+                        None))
         arms[-1].client.chat([{"role": "user", "content": "Hello!"}], 8)
     return arms, health
+
+
+def _is_llama(client: Client) -> bool:
+    """Whether the server is llama.cpp's (its /props describes its generation settings)."""
+    try:
+        props = client.get("/props")
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    return isinstance(props, dict) and "default_generation_settings" in props
 
 
 def _same_as(solo: dict[int, str], runs: list[dict]) -> str:
