@@ -441,3 +441,42 @@ def test_a_request_takes_the_free_slot_that_holds_its_prefix(tiny_dirs):
     finally:
         worker.stop()
         loop.close()
+
+
+@needs_kernels
+def test_slots_share_the_heads_planned_weights_and_keep_their_own_state(tiny_targets, monkeypatch):
+    """Drafters of one head on one model's sessions, built with one ``shared`` dict (a server's slots),
+    hold the same kernel-planned head and draft lm_head (built once) and their own caches; decoded
+    together their tokens are each one's own. Another head, or another DDSPEC_DRAFT_WEIGHTS, gets
+    its own copies."""
+    from ddspec.config import TreeConfig
+    from ddspec.draft.checkpoint import random_head
+    from ddspec.methods import tree_config
+
+    model = tiny_targets[("llama", "native")]
+    head = random_head(model.hf_config, seed=0).eval().requires_grad_(False)
+    shared: dict = {}
+    sessions = [model.session() for _ in range(3)]
+    drafters = [make_drafter(m, s, head, TreeConfig(), shared=shared)
+                for m, s in zip(("eagle2", "ddspec", "eagle2"), sessions)]
+    first = drafters[0]
+    assert all(d.packed is first.packed and d.lm_head is first.lm_head for d in drafters[1:])
+    prompts = [[5, 17, 33, 8, 90], [40, 41, 42] * 20, [7] * 9]
+    stop = StopConfig(max_new_tokens=24, stop_on_eos=False)
+    solo = [Engine(model, make_drafter(m, model, head, TreeConfig())).generate(p, stop).token_ids
+            for m, p in zip(("eagle2", "ddspec", "eagle2"), prompts)]
+    runs = [(Engine(s, d), p, stop, join) for s, d, p, join in zip(sessions, drafters, prompts, (0, 0, 3))]
+    assert drive(model, runs) == solo
+    assert len({id(d.cache) for d in drafters}) == 3
+    other = random_head(model.hf_config, seed=1).eval().requires_grad_(False)
+    again = EagleDrafterOf(other, model, tree_config("eagle2", TreeConfig()), shared)
+    assert again.packed is not first.packed
+    monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "exact")
+    exact = EagleDrafterOf(head, model, tree_config("eagle2", TreeConfig()), shared)
+    assert exact.packed is not first.packed and exact.draft_weights == "exact"
+
+
+def EagleDrafterOf(head, target, cfg, shared):
+    from ddspec.draft.eagle import EagleDrafter
+
+    return EagleDrafter(head, target, cfg, shared=shared)

@@ -137,9 +137,12 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), notify=_to_stderr):
+def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), notify=_to_stderr,
+                 shared: dict | None = None):
     """The drafter for a method, or None for vanilla. ``head``: a loaded EagleHead or Eagle3Head, or a --head spec.
-    ``notify(line)``: how the ddspec method's notices reach the user (default: stderr at once)."""
+    ``notify(line)``: how the ddspec method's notices reach the user (default: stderr at once).
+    ``shared``: one dict for every drafter of this head on this model's sessions (a server's slots):
+    the head's kernel-planned weights are built once for all of them (eagle.drafting_parts)."""
     from ddspec.draft.eagle import EagleDrafter
     from ddspec.draft.eagle3 import Eagle3Head
     from ddspec.draft.head import EagleHead
@@ -162,11 +165,11 @@ def make_drafter(method: str, target, head, base: TreeConfig = TreeConfig(), not
     if not isinstance(head, (EagleHead, Eagle3Head)):
         head = resolve_head(head, target)
     if cfg.depth_policy != "cost":
-        return EagleDrafter(head, target, cfg)
-    return cost_aware_drafter(head, target, cfg, notify)
+        return EagleDrafter(head, target, cfg, shared=shared)
+    return cost_aware_drafter(head, target, cfg, notify, shared)
 
 
-def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
+def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr, shared: dict | None = None):
     """The ddspec method: an EAGLE-2 drafter whose depth and size follow measured costs.
 
     The costs come from the calibration cache (measured on first use); the policy corrects them
@@ -179,7 +182,8 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     from ddspec.machine import OtherLoad
     from ddspec.tree.cost import AcceptanceModel, CostAwarePolicy
 
-    probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"))
+    shared = {} if shared is None else shared  # the probe's kernel-planned weights serve the drafter too
+    probe = EagleDrafter(head, target, replace(cfg, depth_policy="fixed"), shared=shared)
     calibration, store = load_or_measure(target, probe)
 
     others = OtherLoad()
@@ -207,7 +211,7 @@ def cost_aware_drafter(head, target, cfg: TreeConfig, notify=_to_stderr):
     # match's order is TABLE_ORDER + n)
     lookup = LookupDrafter(min_ngram=1, max_position=target.info.max_position,
                            table=resolve_table(cfg.ngram_table, target))
-    return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup)
+    return EagleDrafter(head, target, cfg, cost_policy=policy, lookup=lookup, shared=shared)
 
 
 def remember_policy(policy, store, others, calibrated: str) -> None:

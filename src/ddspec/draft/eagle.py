@@ -21,7 +21,7 @@ from ddspec.config import SamplingConfig, TreeConfig
 from ddspec.draft.base import Drafter
 from ddspec.draft.context_vocab import ContextVocab
 from ddspec.draft.head import EagleHead
-from ddspec.draft.packed import DraftingForward, DraftLMHead
+from ddspec.draft.packed import DraftingForward, DraftLMHead, draft_weights
 from ddspec.errors import ConfigError
 from ddspec.models.base import TargetOutput
 from ddspec.tree.cost import CostAwarePolicy
@@ -73,13 +73,36 @@ class DraftSlots:
         return torch.cat([prefix, rows], dim=1).view(1, 1, n, -1)
 
 
+def drafting_parts(head, target, draft_ids: torch.Tensor | None,
+                   shared: dict | None = None) -> tuple[DraftingForward, DraftLMHead]:
+    """The head's drafting forward and the draft lm_head [Vd, H] for ``target``: copies of their
+    weights planned for the kernels, which hold no sequence's state (each drafter passes its own
+    cache). With ``shared`` (one dict per head and model, e.g. a server's for its slots) they are
+    built once and handed to every drafter that passes the same dict: sixteen slots would otherwise
+    hold sixteen copies and take sixteen times as long to start. Rebuilt when the head object or the
+    DDSPEC_DRAFT_WEIGHTS setting differs from the one they were built for."""
+    key = ("drafting", draft_weights())
+    entry = None if shared is None else shared.get(key)
+    if entry is not None and entry[0] is head:
+        return entry[1], entry[2]
+    packed = head.drafting_forward()
+    blocks = target.lm_head_blocks(draft_ids) if hasattr(target, "lm_head_blocks") else None
+    lm_head = DraftLMHead(head.draft_lm_head_weight(target, draft_ids), blocks, packed.weights)
+    if shared is not None:
+        shared[key] = (head, packed, lm_head)
+    return packed, lm_head
+
+
 class EagleDrafter(Drafter):
-    def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None, lookup=None) -> None:
+    def __init__(self, head: EagleHead, target, tree: TreeConfig, cost_policy=None, lookup=None,
+                 shared: dict | None = None) -> None:
         """head: an EagleHead (EAGLE-1/2, fused) or an Eagle3Head; both offer config, hidden_layers,
         committed_features, drafting_forward, draft_lm_head_weight, logits_input and
         shares_target_lm_head.
         lookup: a LookupDrafter whose chain (if any) a plain step of the cost policy verifies
-        instead of the root alone: drafts that cost nothing to make."""
+        instead of the root alone: drafts that cost nothing to make.
+        shared: a dict that drafters of one head on one model (its sessions: a batch's slots) pass
+        alike, so that they build the head's kernel-planned weights once (see drafting_parts)."""
         if head.hidden_size != target.info.hidden_size:
             raise ConfigError(f"head hidden size {head.hidden_size} != target hidden size {target.info.hidden_size}")
         vocab = target.info.vocab_size
@@ -101,13 +124,10 @@ class EagleDrafter(Drafter):
         if tree.shape == "dynamic" and tree.top_k > draft_vocab:
             raise ConfigError(f"top_k (--tree-top-k) {tree.top_k} exceeds the draft vocabulary ({draft_vocab})")
         # the drafting fast path: the head's layers and the draft lm_head on kernel-planned weights
-        self.packed: DraftingForward = head.drafting_forward()
+        self.packed, self.lm_head = drafting_parts(head, target, self.draft_ids, shared)
         self._features = self.packed.committed_features
-        blocks = target.lm_head_blocks(self.draft_ids) if hasattr(target, "lm_head_blocks") else None
         # how the head's matmul weights are held (packed.DRAFT_WEIGHTS): part of what a draft level costs
         self.draft_weights: str = self.packed.weights
-        self.lm_head = DraftLMHead(head.draft_lm_head_weight(target, self.draft_ids), blocks,
-                                   self.draft_weights)  # [Vd, H]
         # the context's tokens beside a reduced draft vocabulary, where the head's logits are the target's lm_head
         self.context = None
         if self.draft_ids is not None and tree.context_vocab and head.shares_target_lm_head:

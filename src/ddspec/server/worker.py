@@ -230,6 +230,7 @@ def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
     from ddspec.methods import make_drafter, resolve_head, tree_config, uses_draft_model
 
     head = None
+    shared: dict = {}  # the head's kernel-planned weights, built once for every slot and method
 
     def build(method: str, handle=None):
         """handle: the target handle the drafter serves (a batch slot's session; default the target)."""
@@ -238,6 +239,6 @@ def tree_drafter_factory(target, head_spec: str | None, tree: TreeConfig):
             return None
         if head is None and not uses_draft_model(method, target, head_spec, tree):
             head = resolve_head(head_spec, target)
-        return make_drafter(method, target if handle is None else handle, head, tree)
+        return make_drafter(method, target if handle is None else handle, head, tree, shared=shared)
 
     return build
