@@ -451,6 +451,7 @@ def test_slots_share_the_heads_planned_weights_and_keep_their_own_state(tiny_tar
     its own copies."""
     from ddspec.config import TreeConfig
     from ddspec.draft.checkpoint import random_head
+    from ddspec.draft.eagle import EagleDrafter
     from ddspec.methods import tree_config
 
     model = tiny_targets[("llama", "native")]
@@ -469,14 +470,8 @@ def test_slots_share_the_heads_planned_weights_and_keep_their_own_state(tiny_tar
     assert drive(model, runs) == solo
     assert len({id(d.cache) for d in drafters}) == 3
     other = random_head(model.hf_config, seed=1).eval().requires_grad_(False)
-    again = EagleDrafterOf(other, model, tree_config("eagle2", TreeConfig()), shared)
+    again = EagleDrafter(other, model, tree_config("eagle2", TreeConfig()), shared=shared)
     assert again.packed is not first.packed
     monkeypatch.setenv("DDSPEC_DRAFT_WEIGHTS", "exact")
-    exact = EagleDrafterOf(head, model, tree_config("eagle2", TreeConfig()), shared)
+    exact = EagleDrafter(head, model, tree_config("eagle2", TreeConfig()), shared=shared)
     assert exact.packed is not first.packed and exact.draft_weights == "exact"
-
-
-def EagleDrafterOf(head, target, cfg, shared):
-    from ddspec.draft.eagle import EagleDrafter
-
-    return EagleDrafter(head, target, cfg, shared=shared)

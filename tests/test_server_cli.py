@@ -134,7 +134,10 @@ class OpenAIStandIn(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
-        body = json.dumps({"status": "ok"}).encode()
+        self.send_json({"status": "ok"})
+
+    def send_json(self, obj):
+        body = json.dumps(obj).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -194,11 +197,7 @@ def test_bench_serve_turns_a_llama_cpp_url_s_prompt_cache_off(tmp_path, capsys):
         def do_GET(self):
             if self.path != "/props":
                 return super().do_GET()
-            body = json.dumps({"default_generation_settings": {"n_ctx": 2048}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.send_json({"default_generation_settings": {"n_ctx": 2048}})
 
         def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
