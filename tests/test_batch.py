@@ -21,21 +21,29 @@ needs_kernels = pytest.mark.skipif(not __import__("ddspec.native").native.availa
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "llama-int8"])
 def test_forward_many_equals_each_sequences_own_forward_bit_for_bit(tiny_dirs, tmp_path, family, monkeypatch):
-    """A prompt, a tree, a chain and one token, of four sequences at different lengths, in one call:
-    each gets exactly the logits, features, hidden states and argmax of its own forward."""
+    """A prompt, a tree, a chain and four single tokens (one with no key before it), of seven
+    sequences at different lengths, in one call: each gets exactly the logits, features, hidden
+    states and argmax of its own forward. The single tokens' attention runs as one pass over all of
+    them (sliding windows in Gemma 3's local layers; an fp16 cache with 8-bit activations)."""
     from ddspec.models.loading import load_target
     from ddspec.models.tiny import make_tiny_model_dir
 
     monkeypatch.setenv("DDSPEC_KERNEL", "native")
-    folder = tiny_dirs["llama"] if family == "llama" else make_tiny_model_dir(
+    folder = tiny_dirs["llama"] if family.startswith("llama") else make_tiny_model_dir(
         tmp_path / family, family, seed=3, layers=6, sliding_window=8)
-    model = load_target(str(folder), impl="native")
+    if family == "llama-int8":
+        from test_native_kernels import _quantise_dense
+
+        _quantise_dense(monkeypatch)
+        model = load_target(str(folder), impl="native", activations="int8")
+    else:
+        model = load_target(str(folder), impl="native")
     gen = torch.Generator().manual_seed(5)
     vocab = model.info.vocab_size
-    solo, batched = [model.session() for _ in range(4)], [model.session() for _ in range(4)]
-    prefixes = [0, 9, 17, 30]
+    prefixes = [0, 9, 17, 30, 5, 0, 22]
+    solo, batched = [model.session() for _ in prefixes], [model.session() for _ in prefixes]
     for sessions in (solo, batched):
         for s, p in zip(sessions, prefixes):
             s.reset(64)
@@ -43,11 +51,13 @@ def test_forward_many_equals_each_sequences_own_forward_bit_for_bit(tiny_dirs, t
                 s.forward(torch.arange(p) % vocab, torch.arange(p))
                 s.commit(torch.arange(p))
     parents, depths = random_tree(7, gen)
+    one = [(torch.randint(0, vocab, (1,), generator=gen), torch.tensor([p]), None, h, False)
+           for p, h in ((30, (2,)), (5, ()), (0, (0, 1)), (22, ()))]
     calls = [
         (torch.randint(0, vocab, (12,), generator=gen), torch.arange(12), None, (0, 1), True),  # a prompt
         (torch.randint(0, vocab, (7,), generator=gen), 9 + depths, ancestor_mask(parents), (1,), False),  # a tree
         (torch.randint(0, vocab, (3,), generator=gen), 17 + torch.arange(3), torch.ones(3, 3).tril().bool(), (), False),
-        (torch.randint(0, vocab, (1,), generator=gen), torch.tensor([30]), None, (2,), False),  # one token
+        *one,  # single tokens
     ]
     want = [s.forward(t, p, m, h, last_logits=last) for s, (t, p, m, h, last) in zip(solo, calls)]
     got = model.forward_many([(s, *c) for s, c in zip(batched, calls)])

@@ -115,6 +115,19 @@ DD_HIDDEN void dd_attention(const float *qkv, int64_t wqkv, int64_t n, int64_t n
         attention_shared_f32(qkv, wqkv, n, nh, nkv, D, kc, vc, tmax, T, mask, scale, softcap, scores_all, attn, causal);
 }
 
+DD_HIDDEN void dd_attention_singles(const dd_single *singles, int64_t count, int64_t nh, int64_t nkv, int64_t D,
+                                    float scale, float softcap, int kv_half) {
+    const int64_t group = nh / nkv, units = count * nkv;
+    span_start(units);
+    for (int64_t u = -1; span_next(units, 1, &u) > 0;) {
+        if (kv_half) single_unit_f16(singles + u / nkv, u % nkv, group, D, scale, softcap);
+        else single_unit_f32(singles + u / nkv, u % nkv, group, D, scale, softcap);
+    }
+    dd_sync();
+}
+DD_HIDDEN int dd_attention_singles_apply(void) {
+    return attention_mode != 2;
+}
 int dd_set_attention(int mode) {
     if (mode < 0 || mode > 2) return 1;
     attention_mode = mode;

@@ -464,6 +464,26 @@ static inline float exp1(float x) {
     return _mm_cvtss_f32(_mm256_castps256_ps128(exp8(_mm256_set1_ps(x))));
 }
 
+/* One new token of a sequence for dd_attention_singles: its query heads q [nh, D] (RoPE done), this
+ * layer's cache kc / vc [nkv, tmax, D] (fp32, or fp16 with kv_half), the T keys it attends to (its
+ * own included), its mask [T] (1 = attend) or NULL, room for its scores [nh, T] and its output
+ * [nh, D]. */
+typedef struct {
+    const float *q;
+    const void *kc, *vc;
+    int64_t tmax, T;
+    const uint8_t *mask;
+    float *scores, *out;
+} dd_single;
+
+/* The attention of one new token of each of `count` sequences in one pass over the units (sequence,
+ * kv head), shared between the threads (spans) and ending at a barrier: each row the bits that
+ * dd_attention gives it. dd_attention_singles_apply: whether dd_attention runs a single token's rows
+ * this way (not when dd_set_attention forces the shared passes). */
+DD_HIDDEN void dd_attention_singles(const dd_single *singles, int64_t count, int64_t nh, int64_t nkv, int64_t D,
+                                    float scale, float softcap, int kv_half);
+DD_HIDDEN int dd_attention_singles_apply(void);
+
 /* The attention of n new tokens (attention.c): rows or shared passes, by dd_set_attention's mode
  * (0: rows for one token, shared for more), over an fp32 cache or, with kv_half, an fp16 one. */
 DD_HIDDEN void dd_attention(const float *qkv, int64_t wqkv, int64_t n, int64_t nh, int64_t nkv, int64_t D,

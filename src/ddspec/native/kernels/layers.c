@@ -160,10 +160,31 @@ static void layer_forward_buf(const dd_layer *L, int64_t li, float *x, int64_t n
     }
     dd_sync();
     PHASE(2);
-    /* 3. attention, each sequence over its own cache: one token's rows alone; several tokens share
-     * each kv head's reads (dd_attention) */
+    /* 3. attention, each sequence over its own cache. Two or more sequences' single new tokens (their
+     * decoding steps) in one pass over (sequence, kv head) units, shared between the threads
+     * (dd_attention_singles: each kv head's keys and values read from memory once for its query
+     * heads, one barrier for all of them); the others one sequence at a time: one token's rows
+     * alone, several tokens sharing each kv head's reads (dd_attention) */
+    int64_t singles = 0;
+    if (nseq > 1 && dd_attention_singles_apply())
+        for (int64_t s = 0; s < nseq; s++) singles += seqs[s].n == 1;
+    if (singles > 1) {
+        dd_single one[singles]; /* each thread its own copy: no barrier to share one */
+        float *sc = scores_all;
+        for (int64_t s = 0, u = 0; s < nseq; s++) {
+            const dd_seq *S = seqs + s;
+            if (S->n != 1) continue;
+            const int local = L->window > 0;
+            one[u++] = (dd_single){qkv + S->row0 * wqkv, S->kc + (size_t)(li * S->stride) * elt,
+                                   S->vc + (size_t)(li * S->stride) * elt, S->tmax, S->start + 1,
+                                   local ? S->local_mask : S->mask, sc, attn + S->row0 * nq};
+            sc += nh * (S->start + 1);
+        }
+        dd_attention_singles(one, singles, nh, nkv, D, scale, L->softcap, kv_half);
+    }
     for (int64_t s = 0; s < nseq; s++) {
         const dd_seq *S = seqs + s;
+        if (singles > 1 && S->n == 1) continue;
         const int local = L->window > 0;
         dd_attention(qkv + S->row0 * wqkv, wqkv, S->n, nh, nkv, D, S->kc + (size_t)(li * S->stride) * elt,
                      S->vc + (size_t)(li * S->stride) * elt, S->tmax, S->start + S->n, local ? S->local_mask : S->mask,
@@ -237,15 +258,17 @@ static int run_layers(const dd_layer *layers, int64_t count, float *x, int64_t n
                       const float *cos_t, const float *sin_t, dd_seq *seqs, int64_t nseq, int nthreads,
                       const float *extra, float *const *capture, const float *final_norm, float final_eps,
                       int kv_half) {
-    int64_t size = 0, nt = 0; /* one scratch buffer for all the layers and sequences */
+    int64_t size = 0, nt = 0, ones = 0; /* one scratch buffer for all the layers and sequences */
     for (int64_t s = 0; s < nseq; s++) {
         dd_seq *S = seqs + s;
         const int64_t t = S->n * (S->start + S->n + 1);
         nt = t > nt ? t : nt;
+        if (S->n == 1) ones += S->start + 1; /* the single tokens' scores side by side (step 3) */
         S->causal = is_causal(S->mask, S->n, S->start);
         if (!S->local_mask) S->local_mask = S->mask; /* no key outside the windows */
         S->local_causal = S->local_mask == S->mask ? S->causal : is_causal(S->local_mask, S->n, S->start);
     }
+    nt = ones > nt ? ones : nt;
     for (int64_t i = 0; i < count; i++) {
         for (int64_t s = 0; s < nseq; s++) {
             const int rc = layer_check(layers + i, seqs[s].n, seqs[s].tmax, seqs[s].start, extra);
