@@ -165,6 +165,7 @@ static void layer_forward_buf(const dd_layer *L, int64_t li, float *x, int64_t n
      * (dd_attention_singles: each kv head's keys and values read from memory once for its query
      * heads, one barrier for all of them); the others one sequence at a time: one token's rows
      * alone, several tokens sharing each kv head's reads (dd_attention) */
+    const int local = L->window > 0; /* this layer attends through the sequences' windowed masks */
     int64_t singles = 0;
     if (nseq > 1 && dd_attention_singles_apply())
         for (int64_t s = 0; s < nseq; s++) singles += seqs[s].n == 1;
@@ -174,7 +175,6 @@ static void layer_forward_buf(const dd_layer *L, int64_t li, float *x, int64_t n
         for (int64_t s = 0, u = 0; s < nseq; s++) {
             const dd_seq *S = seqs + s;
             if (S->n != 1) continue;
-            const int local = L->window > 0;
             one[u++] = (dd_single){qkv + S->row0 * wqkv, S->kc + (size_t)(li * S->stride) * elt,
                                    S->vc + (size_t)(li * S->stride) * elt, S->tmax, S->start + 1,
                                    local ? S->local_mask : S->mask, sc, attn + S->row0 * nq};
@@ -185,7 +185,6 @@ static void layer_forward_buf(const dd_layer *L, int64_t li, float *x, int64_t n
     for (int64_t s = 0; s < nseq; s++) {
         const dd_seq *S = seqs + s;
         if (singles > 1 && S->n == 1) continue;
-        const int local = L->window > 0;
         dd_attention(qkv + S->row0 * wqkv, wqkv, S->n, nh, nkv, D, S->kc + (size_t)(li * S->stride) * elt,
                      S->vc + (size_t)(li * S->stride) * elt, S->tmax, S->start + S->n, local ? S->local_mask : S->mask,
                      scale, L->softcap, scores_all, attn + S->row0 * nq, local ? S->local_causal : S->causal, kv_half);
