@@ -72,6 +72,17 @@ def test_ddspec_serve_takes_the_key_from_the_environment(tiny_dirs):
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "warning" not in err and "API key required" in err
+    assert "up to 16 requests decoded together" in err  # the native target batches unless told otherwise
+
+
+def test_serve_batches_by_default_where_the_target_can(tiny_dirs):
+    """Without --batch the native target decodes up to AUTO_BATCH requests together; a target that
+    cannot run several sequences in one forward (transformers') one at a time."""
+    from ddspec.models.loading import load_target
+    from ddspec.server.cli import AUTO_BATCH, default_batch
+
+    assert default_batch(load_target(str(tiny_dirs["llama"]), impl="native")) == AUTO_BATCH > 1
+    assert default_batch(load_target(str(tiny_dirs["llama"]), impl="hf")) == 1
 
 
 def test_user_errors_are_one_line(tiny_dirs, capsys):

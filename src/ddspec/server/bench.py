@@ -227,6 +227,7 @@ def _ints(text: str) -> list[int]:
 
 def add_bench_parser(sub) -> None:
     from ddspec.args import add_model_args, add_tree_args
+    from ddspec.server.cli import AUTO_BATCH
 
     p = sub.add_parser("bench-serve", help="load benchmark of `ddspec serve` (throughput, latency, prefix reuse)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,10 +248,10 @@ def add_bench_parser(sub) -> None:
                    help="also measure llama.cpp's llama-server binary on the same GGUF (--model FILE.gguf) with the "
                         "same clients, in the same run (docs/benchmarks.md builds it)")
     p.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots (-np; default 16)")
-    p.add_argument("--batch", type=_ints, default=[1], metavar="N[,M...]",
+    p.add_argument("--batch", type=_ints, default=None, metavar="N[,M...]",
                    help="ddspec's server with `serve --batch N` (requests decoded together), one server and one row "
                         "per method for each value: 1,16 compares one request at a time with batches of 16 "
-                        "(default 1)")
+                        f"(default: serve's, {AUTO_BATCH} on the native target, else 1)")
     p.add_argument("--api-key", default=None, help="the running server's key (with --url)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a request may wait for the server's next bytes; a request that waits longer "
@@ -282,9 +283,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     two_turns = next((p.turns[:2] for p in prompts if len(p.turns) >= 2), None)
     if two_turns is None and args.reuse_trials:
         raise DdspecError(f"{args.prompts} has no prompt with two turns, which the prefix-reuse chat needs")
-    if args.url is not None and args.batch != [1]:
+    if args.url is not None and args.batch is not None:
         raise DdspecError("--batch starts ddspec's own servers; it cannot change a running one (--url)")
-    if min(args.batch) < 1:
+    if args.batch is not None and min(args.batch) < 1:
         raise DdspecError(f"--batch values must be >= 1, got {args.batch}")
     with contextlib.ExitStack() as stack:
         arms, health = _open_arms(args, methods, stack)
@@ -350,7 +351,7 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
     """Every server the run measures, started at once (each idles while another is measured):
     ddspec's, one per --batch value (or the --url one), then llama.cpp's with --llama-server."""
     arms, health = [], {}
-    for b in args.batch if args.url is None else [None]:
+    for b in [None] if args.url is not None else args.batch or [0]:  # 0: serve's default
         if b is None:
             url = args.url
         else:
@@ -362,7 +363,7 @@ def _open_arms(args: argparse.Namespace, methods: list[str], stack: contextlib.E
         client.llama = b is None and _is_llama(client)  # --url of a llama.cpp server: its prompt cache off too
         for method in methods:
             warm = client.chat([{"role": "user", "content": "Hello!"}], 8, method)  # builds the drafter
-            label = method if len(args.batch) == 1 else f"{method} (batch {b})"
+            label = method if len(args.batch or [0]) == 1 else f"{method} (batch {b})"
             arms.append(Arm(label, client, method, warm.tau is not None))
     if args.llama_server:
         arms.append(Arm("llama.cpp", Client(_start_llama(args, stack).url, timeout=args.request_timeout, llama=True),
@@ -427,12 +428,14 @@ def _start_llama(args: argparse.Namespace, stack: contextlib.ExitStack):
 
 
 def _start_server(args: argparse.Namespace, methods: list[str], batch: int = 1):
+    """ddspec's server for the run (batch 0: `ddspec serve`'s default for this target)."""
     from ddspec.args import setup_torch, target_from_args, tree_from_args
     from ddspec.server.build import LiveServer, make_service
+    from ddspec.server.cli import default_batch
 
     setup_torch(args)
     target = target_from_args(args)
     service = make_service(target, method=methods[0], head=args.head, tree=tree_from_args(args),
-                           max_queue=max(args.concurrency) + 1, batch=batch)
+                           max_queue=max(args.concurrency) + 1, batch=batch or default_batch(target))
     return LiveServer(service).start()
 
