@@ -109,6 +109,7 @@ def test_models_and_health(live, client):
     status, _, body = raw(live, "GET", "/health")
     assert status == 200 and body["status"] == "ok" and body["method"] == "eagle2"
     assert body["context_window"] == 512 and "vanilla" in body["methods"]
+    assert body["batch"] == live.service.worker.batch in (1, 4)  # the fixture's servers: 1 and 4 together
 
 
 @pytest.mark.parametrize("method", [None, "vanilla", "chain", "eagle"])

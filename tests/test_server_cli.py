@@ -79,7 +79,7 @@ def test_serve_batches_by_default_where_the_target_can(tiny_dirs):
     """Without --batch the native target decodes up to AUTO_BATCH requests together; a target that
     cannot run several sequences in one forward (transformers') one at a time."""
     from ddspec.models.loading import load_target
-    from ddspec.server.cli import AUTO_BATCH, default_batch
+    from ddspec.server import AUTO_BATCH, default_batch
 
     assert default_batch(load_target(str(tiny_dirs["llama"]), impl="native")) == AUTO_BATCH > 1
     assert default_batch(load_target(str(tiny_dirs["llama"]), impl="hf")) == 1

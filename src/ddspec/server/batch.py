@@ -103,6 +103,10 @@ class BatchWorker(EngineWorker):
                          default_method, max(max_queue, slots), on_step)
         self._thread.name = "ddspec-batch"
 
+    @property
+    def batch(self) -> int:
+        return len(self.slots)
+
     def drafter(self, method: str):
         """Every slot's drafter for ``method`` (built on first use, for all slots at once: a request
         arriving later finds its drafter ready); returns the first slot's."""

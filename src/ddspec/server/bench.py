@@ -227,7 +227,7 @@ def _ints(text: str) -> list[int]:
 
 def add_bench_parser(sub) -> None:
     from ddspec.args import add_model_args, add_tree_args
-    from ddspec.server.cli import AUTO_BATCH
+    from ddspec.server import AUTO_BATCH
 
     p = sub.add_parser("bench-serve", help="load benchmark of `ddspec serve` (throughput, latency, prefix reuse)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -431,7 +431,7 @@ def _start_server(args: argparse.Namespace, methods: list[str], batch: int = 1):
     """ddspec's server for the run (batch 0: `ddspec serve`'s default for this target)."""
     from ddspec.args import setup_torch, target_from_args, tree_from_args
     from ddspec.server.build import LiveServer, make_service
-    from ddspec.server.cli import default_batch
+    from ddspec.server import default_batch
 
     setup_torch(args)
     target = target_from_args(args)

@@ -9,21 +9,9 @@ import sys
 
 from ddspec.args import add_model_args, add_sampling_args, add_spec_args, sampling_from_args, setup_torch, target_from_args, \
     tree_from_args
+from ddspec.server import AUTO_BATCH, default_batch
 
 API_KEY_ENV = "DDSPEC_API_KEY"
-# requests decoded together when --batch is not given, on a target that batches (the native one).
-# Measured against one request at a time (2 CPU cores, AVX2-only AMD EPYC, default model, int8,
-# docs/results/amd-epyc-25-1/serve-batch): one client 1.00-1.11x the tokens per second, 4 clients
-# 1.5-1.7x with p50 latency 0.58-0.70x, 16 clients 1.4-1.8x with p99 latency 0.56-0.72x (their p50
-# 0.99-1.39x: 16 requests arriving together finish together). A slot's KV cache grows only as far
-# as its own requests need.
-AUTO_BATCH = 16
-
-
-def default_batch(target) -> int:
-    """--batch when not given: AUTO_BATCH where the target runs several sequences' steps in one
-    forward (``forward_many``: the native target), else 1."""
-    return AUTO_BATCH if hasattr(target, "forward_many") else 1
 
 
 def batch_size(text: str) -> int:

@@ -138,6 +138,11 @@ class EngineWorker:
     def depth(self) -> int:
         return self._depth
 
+    @property
+    def batch(self) -> int:
+        """Requests decoded together at most (1: one at a time)."""
+        return 1
+
     def drafter(self, method: str):
         """The drafter for ``method`` (built on first use; call from the worker thread or before start).
         At most ``MAX_DRAFTERS`` are kept (each holds a head KV cache): the least recently used other
