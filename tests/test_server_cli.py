@@ -132,6 +132,7 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert reuse["ttft_reuse_s"] > 0 and reuse["ttft_cold_s"] > 0
     summary = (out / "summary.md").read_text()
     assert "| vanilla | 3 | 3 |" in summary and "Third chat turn" in summary and "median of 2 runs" in summary
+    assert "the server decoding up to 16 requests together" in summary  # serve's default on the native target
     assert "- eagle2@d3k2n4 / vanilla, tokens/s (median of run-by-run ratios): " in summary
     assert re.search(r"\d\.\d\dx at 1, \d+\.\d\dx at 3", summary)
     assert summary in capsys.readouterr().out

@@ -325,6 +325,8 @@ def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: li
         r.pop("answers")
     header = (f"ddspec bench-serve: model {health.get('model', args.url or 'a local server')}, prompts {args.prompts} "
               f"(first turns, greedy, {args.max_tokens} tokens), {args.requests} requests per row"
+              + (f", the server decoding up to {health['batch']} requests together" if len(args.batch or [0]) == 1
+                 and health.get("batch", 1) > 1 else "")
               + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
               + f", {time.strftime('%Y-%m-%d %H:%M')}"
               + ("" if complete else f" (incomplete: concurrency {','.join(map(str, levels))} measured so far)"))
