@@ -121,15 +121,22 @@ def test_k_int8_activations_compute_their_integer_arithmetic(qtype):
     assert ((y.double() - exact).norm() / exact.norm()).item() <= 3e-2
     for r in range(13):
         assert torch.equal(y[r], fast(x[r:r + 1])[0])
+    ahead, from_rows = native.prefetch_blocks(), native.prefetch_rows()
     try:
         for rows in (0, 1, 14):  # the rounding of the rows by every thread, or shared
             native.set_share_rows(rows)
             assert torch.equal(fast(x), y)
+        for blocks, rows in ((0, 3), (24, 1), (48, 2)):  # prefetching moves no bit
+            native.set_prefetch(blocks)
+            native.set_prefetch_rows(rows)
+            assert torch.equal(fast(x), y) and torch.equal(fast(x[:2]), y[:2])
         torch.set_num_threads(1)
         assert torch.equal(fast(x), y)
     finally:
         torch.set_num_threads(2)
         native.set_share_rows(3)
+        native.set_prefetch(ahead)
+        native.set_prefetch_rows(from_rows)
 
 
 @needs_kernels

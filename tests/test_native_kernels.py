@@ -559,7 +559,7 @@ def test_avx512_passes_give_the_same_bits_as_the_8_lane_ones(kind):
     """Every groups-per-pass choice of the AVX-512 passes, at every tile size and at row counts
     that split into several tiles, equals the 8-lane passes bit for bit (200 outputs: 13 groups,
     so the last unit of 2, 3 or 4 groups is short; a bias on one of them), with and without
-    the L2 prefetch of the passes of 3 rows or more. The 8-bit-activation kinds (AVX-512 VNNI)
+    the L2 prefetch of the passes of several rows. The 8-bit-activation kinds (AVX-512 VNNI)
     get rows whose blocks reach the rounding's +-127 and hold zeros."""
     if not native.wide_available(kind):
         pytest.skip(f"these kernels were built without the AVX-512 passes for {kind}")
@@ -708,6 +708,46 @@ def test_the_kernel_choices_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert ahead in native.PREFETCH_OPTIONS
     native.set_prefetch(0)
     assert native.choose_wide(weights) == chosen and native.prefetch_blocks() == ahead  # read back from the cache
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels here")
+def test_the_rows_that_prefetch_are_chosen_once_per_model_and_distance(tmp_path, monkeypatch):
+    """From how many rows on the passes prefetch: measured on the model's forward (here a stand-in
+    answer), cached per distance and model, read back; with no distance set, 3 and nothing timed."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    ahead, rows = native.prefetch_blocks(), native.prefetch_rows()
+    try:
+        native.set_prefetch(0)
+        assert native.choose_prefetch_rows({"model": "m"}, lambda: pytest.fail("timed")) == 3
+        native.set_prefetch(12)
+        answers = []
+        assert native.choose_prefetch_rows({"model": "m"}, lambda: answers.append(1) or 2) == 2 == native.prefetch_rows()
+        if not list((tmp_path / "kernels").glob("prefetch-rows-*.json")):
+            pytest.skip("other programs used the CPU meanwhile: the choice was not cached")
+        native.set_prefetch_rows(3)
+        assert native.choose_prefetch_rows({"model": "m"}, lambda: pytest.fail("timed again")) == 2  # the cache
+        assert native.choose_prefetch_rows({"model": "other"}, lambda: 3) == 3 and answers == [1]
+    finally:
+        native.set_prefetch(ahead)
+        native.set_prefetch_rows(rows)
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels here")
+def test_the_prefetch_is_chosen_for_k_type_models_too(tmp_path, monkeypatch):
+    """A model of GGUF's K types alone (no kind with AVX-512 passes) still gets its prefetch distance
+    and rows measured, and cached, instead of none at all."""
+    monkeypatch.setenv("DDSPEC_CACHE", str(tmp_path))
+    from test_k_quants import T, k_weight
+
+    weights = {"q4_ka8": [k_weight(T.Q4_K, 64, 256, seed=1)[0].with_int8_activations()],
+               "q6_ka8": [k_weight(T.Q6_K, 32, 256, seed=2)[0].with_int8_activations()]}
+    measured = []
+    real = native_tuning.measure_prefetch
+    monkeypatch.setattr(native_tuning, "measure_prefetch", lambda ws: measured.append(len(ws)) or real(ws))
+    assert native.choose_wide(weights) == {}
+    assert measured == [2] and native.prefetch_blocks() in native.PREFETCH_OPTIONS
+    with pytest.raises(ValueError, match="from 0 rows"):
+        native.set_prefetch_rows(0)
 
 
 def test_the_attention_lanes_are_measured_once_and_cached(tmp_path, monkeypatch):

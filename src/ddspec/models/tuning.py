@@ -42,11 +42,13 @@ def choose_plans(parts: LlamaWeights) -> tuple[KernelPlan, KernelPlan]:
 
 def tune(model: NativeLlama, parts: LlamaWeights) -> None:
     """The C kernels' options chosen on the built ``model`` (``parts``: what it was built from), where
-    its layers run on them: the attention's lanes, then the AVX-512 passes on its forward."""
+    its layers run on them: the attention's lanes, the AVX-512 passes on its forward, then from how
+    many rows on the quantised passes prefetch."""
     if not model.native_layers:
         return
     choose_attention(model)
     tune_passes_on_forward(model, parts)
+    choose_prefetch_rows(model, parts)
 
 
 def choose_passes(parts: LlamaWeights) -> None:
@@ -154,6 +156,40 @@ def choose_attention(model: NativeLlama, prefix: int = 256, sizes: tuple[int, ..
 
     native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                                   "layers": a.num_layers, "hidden": a.hidden_size}, measure)
+
+
+def choose_prefetch_rows(model: NativeLlama, parts: LlamaWeights, prefix: int = 128, reps: int = 9) -> None:
+    """From how many rows of a pass on the quantised passes prefetch (2 or 3; where a distance was
+    chosen): timed once per machine (cached) as this model's forward over 2 tokens after
+    ``prefix``, both settings interleaved (native.choose_prefetch_rows). Models whose layer weights
+    are smaller than WIDE_TIMING_BYTES / 4 (test models: they stay in the caches) keep 3."""
+    streamed = [b for name, b in parts.compute.items() if name.startswith("layers.")]
+    if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4 or not native.prefetch_blocks():
+        return
+    a, vocab = model.arch, model.info.vocab_size
+    prefix = min(prefix, a.max_position - 3)
+    gen = torch.Generator().manual_seed(0)
+    tokens, mask = torch.randint(0, vocab, (2,), generator=gen), torch.ones(2, 2, dtype=torch.bool).tril_()
+
+    def measure() -> int:
+        print("ddspec: timing the prefetch on this model's forward (once, cached)", file=sys.stderr)
+        try:
+            model.reset(prefix + 2)
+            model.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+
+            def setup(rows: int) -> None:
+                native.set_prefetch_rows(rows)
+                model.truncate(prefix)
+
+            medians = interleaved_medians(native.PREFETCH_ROWS_OPTIONS,
+                                          lambda _: model.forward(tokens, prefix + torch.arange(2), mask), reps,
+                                          setup=setup)
+        finally:
+            model.cache = None
+        return min(native.PREFETCH_ROWS_OPTIONS, key=medians.get)
+
+    shapes = sorted({f"{b.kind} {b.out_features}x{b.in_features}" for b in streamed})
+    native.choose_prefetch_rows({"layers": a.num_layers, "shapes": shapes}, measure)
 
 
 def tune_passes_on_forward(model: NativeLlama, parts: LlamaWeights, prefix: int = 128) -> None:

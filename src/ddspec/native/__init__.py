@@ -23,19 +23,23 @@ from ddspec.native.build import (PROFILE_ENV, SOURCE, build_flags, build_id, c_c
                                  vnni_flags, wide_flags)
 from ddspec.native.forward import layer_array, layer_struct, layers_forward, layers_forward_seqs, top_logprobs
 from ddspec.native.lib import available, library, start_build, unavailable_reason
-from ddspec.native.options import (PREFETCH_OPTIONS, WIDE_KINDS, WIDE_ROWS, attention_wide, prefetch_blocks,
-                                   set_attention, set_attention_wide, set_prefetch, set_share_rows, set_span_delay,
-                                   set_wide, wide_available, wide_choice, wide_options)
+from ddspec.native.options import (PREFETCH_OPTIONS, PREFETCH_ROWS_OPTIONS, WIDE_KINDS, WIDE_ROWS, attention_wide,
+                                   prefetch_blocks, prefetch_rows, set_attention, set_attention_wide, set_prefetch,
+                                   set_prefetch_rows, set_share_rows, set_span_delay, set_wide, wide_available,
+                                   wide_choice, wide_options)
 from ddspec.native.profile import PEAK_ROUND, PHASES, cycles, int8_peak, int8_peak_step, phase_cycles, read_rate
-from ddspec.native.tuning import choose_attention_wide, choose_wide, measure_wide_on, tune_wide_on_forward
+from ddspec.native.tuning import (choose_attention_wide, choose_prefetch_rows, choose_wide, measure_wide_on,
+                                  tune_wide_on_forward)
 from ddspec.native.weights import NativeWeight, concat, gemm_sweep
 
 __all__ = [
-    "NativeWeight", "PEAK_ROUND", "PHASES", "PREFETCH_OPTIONS", "PROFILE_ENV", "SOURCE", "WIDE_KINDS", "WIDE_ROWS",
-    "attention_wide", "available", "build_flags", "build_id", "c_compiler", "choose_attention_wide", "choose_wide",
+    "NativeWeight", "PEAK_ROUND", "PHASES", "PREFETCH_OPTIONS", "PREFETCH_ROWS_OPTIONS", "PROFILE_ENV", "SOURCE", "WIDE_KINDS", "WIDE_ROWS",
+    "attention_wide", "available", "build_flags", "build_id", "c_compiler", "choose_attention_wide", "choose_prefetch_rows",
+    "choose_wide",
     "concat", "cycles", "gemm_sweep", "int8_peak", "int8_peak_step", "layer_array", "layer_struct",
-    "layers_forward", "layers_forward_seqs", "library", "measure_wide_on", "phase_cycles", "prebuild", "prefetch_blocks", "profiling",
-    "read_rate", "set_attention", "set_attention_wide", "set_prefetch", "set_share_rows", "set_span_delay",
+    "layers_forward", "layers_forward_seqs", "library", "measure_wide_on", "phase_cycles", "prebuild", "prefetch_blocks", "prefetch_rows",
+    "profiling",
+    "read_rate", "set_attention", "set_attention_wide", "set_prefetch", "set_prefetch_rows", "set_share_rows", "set_span_delay",
     "set_wide", "start_build", "top_logprobs", "tune_wide_on_forward", "unavailable_reason", "vnni_flags",
     "wide_available", "wide_choice", "wide_flags", "wide_options",
 ]

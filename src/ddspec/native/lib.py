@@ -125,6 +125,10 @@ def library() -> ctypes.CDLL | None:
     lib.dd_set_prefetch.restype = ctypes.c_int
     lib.dd_get_prefetch.argtypes = []
     lib.dd_get_prefetch.restype = ctypes.c_int
+    lib.dd_set_prefetch_rows.argtypes = [ctypes.c_int]
+    lib.dd_set_prefetch_rows.restype = ctypes.c_int
+    lib.dd_get_prefetch_rows.argtypes = []
+    lib.dd_get_prefetch_rows.restype = ctypes.c_int
     lib.dd_set_span_delay.argtypes = [ctypes.c_int]
     lib.dd_set_span_delay.restype = ctypes.c_int64
     if profiling():

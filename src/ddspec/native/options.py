@@ -75,7 +75,8 @@ def wide_choice() -> dict[str, list[int]]:
             for kind, i in WIDE_KINDS.items() if wide_available(kind)}
 
 
-PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the quantised passes of 3 rows or more may prefetch (0: none)
+PREFETCH_OPTIONS = (0, 12, 24, 48)  # blocks ahead the quantised passes may prefetch (0: none)
+PREFETCH_ROWS_OPTIONS = (2, 3)  # the fewest rows of a pass that prefetch (1 row: the hardware's streams keep up)
 
 
 def set_share_rows(rows: int) -> None:
@@ -87,8 +88,8 @@ def set_share_rows(rows: int) -> None:
 
 
 def set_prefetch(blocks: int) -> None:
-    """Have the quantised passes (Q4_1 / Q8_0 blocks, with fp32 or 8-bit activations) of 3 rows or more
-    prefetch the weight blocks ``blocks`` ahead into the L2 cache (0: leave it to the hardware). The
+    """Have the quantised passes (every block kind, with fp32 or 8-bit activations) of prefetch_rows()
+    rows or more prefetch the weight blocks ``blocks`` ahead into the L2 cache (0: leave it to the hardware). The
     same bits whatever it is; only the time differs."""
     lib = library()
     if lib is None or lib.dd_set_prefetch(int(blocks)):
@@ -96,9 +97,23 @@ def set_prefetch(blocks: int) -> None:
 
 
 def prefetch_blocks() -> int:
-    """The blocks ahead the quantised passes of 3 rows or more prefetch now (0: none)."""
+    """The blocks ahead the quantised passes of prefetch_rows() rows or more prefetch now (0: none)."""
     lib = library()
     return 0 if lib is None else lib.dd_get_prefetch()
+
+
+def set_prefetch_rows(rows: int) -> None:
+    """Have the quantised passes of ``rows`` rows or more prefetch (set_prefetch's distance; default
+    3). The same bits whatever it is."""
+    lib = library()
+    if lib is None or lib.dd_set_prefetch_rows(int(rows)):
+        raise ValueError(f"cannot prefetch from {rows} rows (1 .. 64, with the kernels built)")
+
+
+def prefetch_rows() -> int:
+    """The fewest rows of a quantised pass that prefetch now."""
+    lib = library()
+    return 3 if lib is None else lib.dd_get_prefetch_rows()
 
 
 def set_span_delay(us: int) -> int:

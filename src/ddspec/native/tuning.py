@@ -3,6 +3,7 @@ CPU, kernel build, thread count and shapes, and cached (ddspec/measured.py, ``<c
 
 - :func:`choose_wide`: the AVX-512 passes' groups per pass for each quantised kind, timed on a
   model's weights of that kind alone, and how far ahead the quantised passes prefetch;
+- :func:`choose_prefetch_rows`: from how many rows of a pass on they prefetch, on a model's forward;
 - :func:`tune_wide_on_forward`: the same passes chosen on a model's whole forward, which can
   prefer others than its matmuls alone do (those choices then stay over a later choose_wide);
 - :func:`choose_attention_wide`: whether the shared attention runs on 16 lanes.
@@ -21,9 +22,10 @@ from ddspec.machine import cpu_name, interleaved_medians
 from ddspec.measured import Entry, measured_once
 from ddspec.native.build import build_id
 from ddspec.native.lib import library
-from ddspec.native.options import (PREFETCH_OPTIONS, WIDE_KINDS, WIDE_ROWS, attention_wide, set_attention_wide,
-                                   set_prefetch, set_wide, wide_available, wide_choice, wide_options)
-from ddspec.native.weights import NativeWeight
+from ddspec.native.options import (PREFETCH_OPTIONS, PREFETCH_ROWS_OPTIONS, WIDE_KINDS, WIDE_ROWS, attention_wide,
+                                   prefetch_blocks, prefetch_rows, set_attention_wide, set_prefetch, set_prefetch_rows,
+                                   set_wide, wide_available, wide_choice, wide_options)
+from ddspec.native.weights import INT8_ACTIVATIONS, NativeWeight
 
 
 def _cached_choice(name: str, what: str, key: dict, measure, apply) -> dict:
@@ -181,12 +183,17 @@ def tune_wide_on_forward(kinds: list[str], model: dict, run, setup=None, reps: i
                           apply)["groups"]
 
 
+# every kind whose passes prefetch (PREFETCH_AHEAD): the block kinds, with fp32 and 8-bit activations
+PREFETCHED_KINDS = frozenset(INT8_ACTIVATIONS) | frozenset(INT8_ACTIVATIONS.values())
+
+
 def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
     """Set the AVX-512 passes' groups per pass for each kind in ``weights`` ({kind: a model's weights
     of that kind}, or a function returning that, called only when there is something to measure;
-    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function), and how far ahead
-    the quantised passes of 3 rows or more prefetch (:func:`measure_prefetch`, on the weights of
-    the kinds whose shapes do not start with "head ": those a forward streams from memory): the
+    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function), how far ahead the
+    quantised passes prefetch (:func:`measure_prefetch`, on the weights of the kinds whose shapes do
+    not start with "head ": those a forward streams from memory), for every block kind, the K types
+    included: the
     cached choice for this CPU, kernel build, thread count and shapes, else measured now (a few
     seconds, once) and cached unless other programs took the CPU meanwhile (:func:`_cached_choice`).
     Without the AVX-512 passes only the prefetch is chosen (every groups choice is 0). The results
@@ -196,14 +203,15 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
         return {}
     if shapes is None:
         shapes = {k: sorted({f"{w.out_features}x{w.in_features}" for w in v}) for k, v in weights.items() if v}
-    shapes = {k: sorted(v) for k, v in shapes.items() if k in WIDE_KINDS and v}  # the quantised kinds
+    shapes = {k: sorted(v) for k, v in shapes.items() if k in PREFETCHED_KINDS and v}  # the quantised kinds
     if not shapes:
         return {}
 
     def measure() -> dict:
         given = weights() if callable(weights) else weights
         print("ddspec: timing the kernel passes on this CPU (once, cached)", file=sys.stderr)
-        chosen = {kind: measure_wide(given[kind]) for kind in shapes if wide_available(kind) and given.get(kind)}
+        chosen = {kind: measure_wide(given[kind]) for kind in shapes
+                  if kind in WIDE_KINDS and wide_available(kind) and given.get(kind)}
         streamed = [w for kind in shapes if not all(s.startswith("head ") for s in shapes[kind]) for w in given.get(kind, [])]
         return {"groups": chosen, "prefetch": measure_prefetch(streamed) if streamed else 0}
 
@@ -212,7 +220,7 @@ def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str
             set_wide(kind, _forward_tuned.get(kind, groups))
         set_prefetch(data["prefetch"])
 
-    key = {"format": 3, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
+    key = {"format": 4, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shapes": shapes}
     return _cached_choice("wide", "the kernel passes and prefetch chosen on this CPU", key, measure, apply)["groups"]
 
 
@@ -232,3 +240,29 @@ def choose_attention_wide(shape: dict, measure) -> bool:
     key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "shape": shape}
     _cached_choice("attention", "the attention lanes chosen on this CPU", key, lambda: {"wide": bool(measure())}, apply)
     return attention_wide()
+
+
+def choose_prefetch_rows(model: dict, measure) -> int:
+    """From how many rows of a pass on the quantised passes prefetch (PREFETCH_ROWS_OPTIONS; only
+    where a distance is set): the cached answer for this CPU, kernel build, thread count, distance
+    and ``model`` (a dict naming its shapes), else ``measure()`` (a function that times the model's
+    forward with each option and returns the fastest) now, cached unless other programs took the
+    CPU meanwhile (:func:`_cached_choice`). Measured on the forward, not on matmuls alone: timed
+    alone, a model's first 64 MB of weights partly stay in the L3 cache, and at 2 rows the choice
+    is about the memory stream (Qwen2.5-Coder-1.5B Q4_K_M on an AVX2-only AMD EPYC: its matmuls
+    alone chose 3, its forward over 2 tokens took 0.92x as long from 2). Sets it either way."""
+    ahead = prefetch_blocks()
+    if not ahead:
+        set_prefetch_rows(3)
+        return 3
+
+    def apply(data: dict) -> None:
+        if data["rows"] not in PREFETCH_ROWS_OPTIONS:
+            raise ValueError("not a choice")
+        set_prefetch_rows(data["rows"])
+
+    key = {"format": 1, "cpu": cpu_name(), "build": build_id(), "threads": torch.get_num_threads(), "prefetch": ahead,
+           "model": model}
+    _cached_choice("prefetch-rows", "the prefetch chosen on this model's forward", key,
+                   lambda: {"rows": int(measure())}, apply)
+    return prefetch_rows()

@@ -161,6 +161,7 @@ DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE] = {{3, 3, 3, 3, 2, 2, 2, 2}, {1, 1
 DD_HIDDEN int8_t dd_wide_groups[4][WIDE_TILE];
 #endif
 DD_HIDDEN int dd_prefetch_blocks = 0;
+DD_HIDDEN int dd_prefetch_rows = 3;
 /* 3: with OpenMP's barriers (0.55 us a crossing) the int8 model's forward after 256 tokens took
  * 0.95-0.97x as long over 8-32 tokens with the rows rounded once (two threads), 0.99x over 6 and
  * 1.02-1.06x over 1-4, where the extra barriers cost more than the rounding saved; with dd_sync's
@@ -178,8 +179,8 @@ int dd_set_share_rows(int rows) {
     return 0;
 }
 
-/* The blocks ahead the AVX-512 passes of PREFETCH_ROWS rows or more prefetch (0: none, at most 256);
- * returns nonzero for a value out of range. */
+/* The blocks ahead the quantised passes of dd_prefetch_rows rows or more prefetch (0: none, at most
+ * 256); returns nonzero for a value out of range. */
 int dd_set_prefetch(int blocks) {
     if (blocks < 0 || blocks > 256) return 1;
     dd_prefetch_blocks = blocks;
@@ -188,6 +189,17 @@ int dd_set_prefetch(int blocks) {
 
 int dd_get_prefetch(void) {
     return dd_prefetch_blocks;
+}
+
+/* The fewest rows of a pass that prefetch (1 .. 64); returns nonzero for a value out of range. */
+int dd_set_prefetch_rows(int rows) {
+    if (rows < 1 || rows > 64) return 1;
+    dd_prefetch_rows = rows;
+    return 0;
+}
+
+int dd_get_prefetch_rows(void) {
+    return dd_prefetch_rows;
 }
 
 /* Groups per pass for tiles of `rows` rows of kind 0 (Q4_1), 1 (Q8_0), 2 (Q4_1_A8) or 3 (Q8_0_A8):
