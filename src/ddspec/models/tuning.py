@@ -162,9 +162,9 @@ def choose_prefetch_rows(model: NativeLlama, parts: LlamaWeights, prefix: int = 
     """From how many rows of a pass on the quantised passes prefetch (2 or 3; where a distance was
     chosen): timed once per machine (cached) as this model's forward over 2 tokens after
     ``prefix``, both settings interleaved (native.choose_prefetch_rows). Models whose layer weights
-    are smaller than WIDE_TIMING_BYTES / 4 (test models: they stay in the caches) keep 3."""
+    are smaller than WIDE_TIMING_BYTES / 4 (test models: they stay in the caches) keep the setting."""
     streamed = [b for name, b in parts.compute.items() if name.startswith("layers.")]
-    if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4 or not native.prefetch_blocks():
+    if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4:
         return
     a, vocab = model.arch, model.info.vocab_size
     prefix = min(prefix, a.max_position - 3)

@@ -33,13 +33,12 @@ from ddspec.native.tuning import (choose_attention_wide, choose_prefetch_rows, c
 from ddspec.native.weights import NativeWeight, concat, gemm_sweep
 
 __all__ = [
-    "NativeWeight", "PEAK_ROUND", "PHASES", "PREFETCH_OPTIONS", "PREFETCH_ROWS_OPTIONS", "PROFILE_ENV", "SOURCE", "WIDE_KINDS", "WIDE_ROWS",
-    "attention_wide", "available", "build_flags", "build_id", "c_compiler", "choose_attention_wide", "choose_prefetch_rows",
-    "choose_wide",
-    "concat", "cycles", "gemm_sweep", "int8_peak", "int8_peak_step", "layer_array", "layer_struct",
-    "layers_forward", "layers_forward_seqs", "library", "measure_wide_on", "phase_cycles", "prebuild", "prefetch_blocks", "prefetch_rows",
-    "profiling",
-    "read_rate", "set_attention", "set_attention_wide", "set_prefetch", "set_prefetch_rows", "set_share_rows", "set_span_delay",
+    "NativeWeight", "PEAK_ROUND", "PHASES", "PREFETCH_OPTIONS", "PREFETCH_ROWS_OPTIONS", "PROFILE_ENV", "SOURCE",
+    "WIDE_KINDS", "WIDE_ROWS", "attention_wide", "available", "build_flags", "build_id", "c_compiler",
+    "choose_attention_wide", "choose_prefetch_rows", "choose_wide", "concat", "cycles", "gemm_sweep", "int8_peak",
+    "int8_peak_step", "layer_array", "layer_struct", "layers_forward", "layers_forward_seqs", "library",
+    "measure_wide_on", "phase_cycles", "prebuild", "prefetch_blocks", "prefetch_rows", "profiling", "read_rate",
+    "set_attention", "set_attention_wide", "set_prefetch", "set_prefetch_rows", "set_share_rows", "set_span_delay",
     "set_wide", "start_build", "top_logprobs", "tune_wide_on_forward", "unavailable_reason", "vnni_flags",
-    "wide_available", "wide_choice", "wide_flags", "wide_options",
+    "wide_available", "wide_choice", "wide_flags", "wide_options"
 ]

@@ -89,8 +89,8 @@ def set_share_rows(rows: int) -> None:
 
 def set_prefetch(blocks: int) -> None:
     """Have the quantised passes (every block kind, with fp32 or 8-bit activations) of prefetch_rows()
-    rows or more prefetch the weight blocks ``blocks`` ahead into the L2 cache (0: leave it to the hardware). The
-    same bits whatever it is; only the time differs."""
+    rows or more prefetch the weight blocks ``blocks`` ahead into the L2 cache (0: leave it to the
+    hardware). The same bits whatever it is; only the time differs."""
     lib = library()
     if lib is None or lib.dd_set_prefetch(int(blocks)):
         raise ValueError(f"cannot prefetch {blocks} blocks ahead (0 .. 256, with the kernels built)")

@@ -190,12 +190,12 @@ PREFETCHED_KINDS = frozenset(INT8_ACTIVATIONS) | frozenset(INT8_ACTIVATIONS.valu
 def choose_wide(weights, shapes: dict[str, list[str]] | None = None) -> dict[str, list[int]]:
     """Set the AVX-512 passes' groups per pass for each kind in ``weights`` ({kind: a model's weights
     of that kind}, or a function returning that, called only when there is something to measure;
-    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function), how far ahead the
-    quantised passes prefetch (:func:`measure_prefetch`, on the weights of the kinds whose shapes do
-    not start with "head ": those a forward streams from memory), for every block kind, the K types
-    included: the
-    cached choice for this CPU, kernel build, thread count and shapes, else measured now (a few
-    seconds, once) and cached unless other programs took the CPU meanwhile (:func:`_cached_choice`).
+    ``shapes``: {kind: ["outxin", ...]} of those weights, needed with a function), and how far ahead
+    the quantised passes of every block kind (the K types too) prefetch (:func:`measure_prefetch`,
+    on the weights of the kinds whose shapes do not start with "head ": those a forward streams from
+    memory): the cached choice for this CPU, kernel build, thread count and shapes, else measured
+    now (a few seconds, once) and cached unless other programs took the CPU meanwhile
+    (:func:`_cached_choice`).
     Without the AVX-512 passes only the prefetch is chosen (every groups choice is 0). The results
     are the same bits whatever the choice; only the time differs. Returns the groups chosen by kind
     ({} without the AVX-512 passes)."""

@@ -362,17 +362,18 @@ static inline void store_group(const dd_weight *W, int64_t g, __m256 a0, __m256 
 }
 
 /* Blocks ahead (0: none) that the quantised passes of dd_prefetch_rows rows or more (3 unless
- * measured otherwise) ask the L2 cache to fetch, besides the hardware's own prefetching: with several rows a pass spends long enough on
- * each block that the hardware's streams fall behind. Measured on the AMD EPYC family 26 machine
- * (the int8 target's forward after 256 tokens, interleaved medians of 41): 24 blocks ahead made
- * 4 / 8 / 16 tokens 0.92x / 0.85x / 0.87x as long (fp32 activations: 0.90x / 0.81x / 0.79x), 1-2
- * rows no faster (1-4% slower); with the AVX-512 passes switched off (the 8-lane passes, as on
- * an AVX2-only CPU) 0.96-0.98x / 0.83-0.85x / 0.84-0.89x (fp32 0.96-0.99x / 0.85-0.89x /
- * 0.93-0.96x; two runs). On an AVX2-only AMD EPYC (family 25 model 1) with Qwen2.5-Coder-1.5B
- * Q4_K_M, 24 blocks ahead from 2 rows on made its forward over 2 / 3 / 4 tokens 0.92x / 0.94x /
- * 0.93x as long as none (one process, interleaved medians of 15). Python sets both from
- * measurements on the machine at hand (native.choose_wide, native.choose_prefetch_rows); the same
- * bits whatever they are. */
+ * measured otherwise) ask the L2 cache to fetch, besides the hardware's own prefetching: with
+ * several rows a pass spends long enough on each block that the hardware's streams fall behind.
+ * Measured on the AMD EPYC family 26 machine (the int8 target's forward after 256 tokens,
+ * interleaved medians of 41): 24 blocks ahead made 4 / 8 / 16 tokens 0.92x / 0.85x / 0.87x as long
+ * (fp32 activations: 0.90x / 0.81x / 0.79x), 1-2 rows no faster (1-4% slower); with the AVX-512
+ * passes switched off (the 8-lane passes, as on an AVX2-only CPU) 0.96-0.98x / 0.83-0.85x /
+ * 0.84-0.89x (fp32 0.96-0.99x / 0.85-0.89x / 0.93-0.96x; two runs). On an AVX2-only AMD EPYC
+ * (family 25 model 1) with Qwen2.5-Coder-1.5B Q4_K_M, 24 blocks ahead from 2 rows on made its
+ * forward over 2 / 3 / 4 tokens 0.92x / 0.94x / 0.93x as long as none (one process, interleaved
+ * medians of 15). Python sets both from measurements on the machine at hand (native.choose_wide,
+ * native.choose_prefetch_rows); the same bits whatever they are.
+ */
 extern DD_HIDDEN int dd_prefetch_blocks;
 extern DD_HIDDEN int dd_prefetch_rows;
 extern DD_HIDDEN int dd_share_rows; /* see a8_gemm and dd_set_share_rows */
