@@ -417,8 +417,8 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         w = service.worker
         body = {"status": "ok" if w.alive else "error", "model": cfg.model_name, "method": w.default_method,
-                "methods": list(cfg.methods), "queue_depth": w.depth, "max_queue": w.max_queue, "batch": w.batch, "busy": w.busy,
-                "prefix_reuse": cfg.prefix_reuse, "context_window": service.window,
+                "methods": list(cfg.methods), "queue_depth": w.depth, "max_queue": w.max_queue, "batch": w.batch,
+                "busy": w.busy, "prefix_reuse": cfg.prefix_reuse, "context_window": service.window,
                 "auth": cfg.api_key is not None}
         return AsciiJSONResponse(body, status_code=200 if w.alive else 503)
 
