@@ -124,6 +124,34 @@ def _plans(parts: LlamaWeights) -> tuple[KernelPlan, KernelPlan]:
     return layer_plan, head_plan
 
 
+def _fastest_on_forward(model: NativeLlama, options: tuple, choose, prefix: int, sizes: tuple[int, ...],
+                        reps: int):
+    """The option of ``options`` with which this model's forwards over each of ``sizes`` new tokens
+    after ``prefix`` random ones take the least time, medians summed over the sizes (options
+    interleaved, :func:`~ddspec.machine.interleaved_medians`; ``choose(option)`` sets one; on a tie
+    the first). The model's caches are dropped afterwards."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.info.vocab_size
+    total = dict.fromkeys(options, 0.0)
+    try:
+        model.reset(prefix + max(sizes))
+        model.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
+        for n in sizes:
+            tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
+
+            def setup(option) -> None:
+                choose(option)
+                model.truncate(prefix)
+
+            medians = interleaved_medians(options, lambda _: model.forward(tokens, prefix + torch.arange(n), mask),
+                                          reps, setup=setup)
+            for option in options:
+                total[option] += medians[option]
+    finally:
+        model.cache = None
+    return min(options, key=total.get)
+
+
 def choose_attention(model: NativeLlama, prefix: int = 256, sizes: tuple[int, ...] = (4, 8), reps: int = 9) -> None:
     """Whether the native attention's shared passes run on 16 lanes (where the kernels have them):
     measured once per machine (cached) as this model's forward over 4 and 8 tokens after
@@ -134,25 +162,7 @@ def choose_attention(model: NativeLlama, prefix: int = 256, sizes: tuple[int, ..
 
     def measure() -> bool:
         print("ddspec: timing the attention passes on this CPU (once, cached)", file=sys.stderr)
-        gen = torch.Generator().manual_seed(0)
-        vocab = model.info.vocab_size
-        try:
-            model.reset(prefix + max(sizes))
-            model.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
-            gain = 0.0  # seconds the 16 lanes save, summed over the sizes
-            for n in sizes:
-                tokens, mask = torch.randint(0, vocab, (n,), generator=gen), torch.ones(n, n, dtype=torch.bool).tril_()
-
-                def setup(wide: bool) -> None:
-                    native.set_attention_wide(wide)
-                    model.truncate(prefix)
-
-                medians = interleaved_medians((True, False), lambda _: model.forward(tokens, prefix + torch.arange(n), mask),
-                                              reps, setup=setup)
-                gain += medians[False] - medians[True]
-        finally:
-            model.cache = None
-        return gain > 0
+        return _fastest_on_forward(model, (False, True), native.set_attention_wide, prefix, sizes, reps)
 
     native.choose_attention_wide({"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim,
                                   "layers": a.num_layers, "hidden": a.hidden_size}, measure)
@@ -166,27 +176,12 @@ def choose_prefetch_rows(model: NativeLlama, parts: LlamaWeights, prefix: int = 
     streamed = [b for name, b in parts.compute.items() if name.startswith("layers.")]
     if sum(b.nbytes for b in streamed) < WIDE_TIMING_BYTES // 4:
         return
-    a, vocab = model.arch, model.info.vocab_size
-    prefix = min(prefix, a.max_position - 3)
-    gen = torch.Generator().manual_seed(0)
-    tokens, mask = torch.randint(0, vocab, (2,), generator=gen), torch.ones(2, 2, dtype=torch.bool).tril_()
+    a = model.arch
 
     def measure() -> int:
         print("ddspec: timing the prefetch on this model's forward (once, cached)", file=sys.stderr)
-        try:
-            model.reset(prefix + 2)
-            model.forward(torch.randint(0, vocab, (prefix,), generator=gen), torch.arange(prefix))
-
-            def setup(rows: int) -> None:
-                native.set_prefetch_rows(rows)
-                model.truncate(prefix)
-
-            medians = interleaved_medians(native.PREFETCH_ROWS_OPTIONS,
-                                          lambda _: model.forward(tokens, prefix + torch.arange(2), mask), reps,
-                                          setup=setup)
-        finally:
-            model.cache = None
-        return min(native.PREFETCH_ROWS_OPTIONS, key=medians.get)
+        return _fastest_on_forward(model, native.PREFETCH_ROWS_OPTIONS, native.set_prefetch_rows,
+                                   min(prefix, a.max_position - 3), (2,), reps)
 
     shapes = sorted({f"{b.kind} {b.out_features}x{b.in_features}" for b in streamed})
     native.choose_prefetch_rows({"layers": a.num_layers, "shapes": shapes}, measure)
