@@ -138,6 +138,31 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert summary in capsys.readouterr().out
 
 
+def test_bench_serve_says_whether_its_runs_tell_speculation_under_load_from_plain():
+    """The on / off ratio pooled over the runs under load, with a bootstrap interval of its median:
+    a steady 10% loss is told apart from plain decoding, a spread around 1 is not, one client's runs
+    are left out, and too few pairs get no interval."""
+    from ddspec.server.bench import Arm, median_interval, paired_ratios
+
+    server = object()
+    arms = [Arm("vanilla", server, "vanilla"), Arm("ddspec", server, "ddspec")]
+
+    def runs(on_by_load):
+        return {**{("vanilla", c): [{"tokens_per_s": 100.0}] * len(v) for c, v in on_by_load.items()},
+                **{("ddspec", c): [{"tokens_per_s": x} for x in v] for c, v in on_by_load.items()}}
+
+    slower = paired_ratios(arms, runs({1: [130.0] * 3, 4: [89.0, 91.0, 90.0], 16: [88.0, 92.0, 90.0]}), [1, 4, 16])
+    assert slower[0] == "ddspec / vanilla, tokens/s (median of run-by-run ratios): 1.30x at 1, 0.90x at 4, 0.90x at 16"
+    assert slower[1].startswith("ddspec / vanilla under load (4, 16 clients, 6 run pairs): median 0.900x, 95% interval")
+    assert slower[1].endswith(": below 1")
+    noisy = paired_ratios(arms, runs({4: [85.0, 112.0, 97.0, 104.0], 16: [93.0, 108.0, 99.0, 101.0]}), [4, 16])
+    assert noisy[1].endswith(": on either side of 1") and "8 run pairs" in noisy[1]
+    assert len(paired_ratios(arms, runs({1: [90.0] * 9, 4: [90.0] * 5}), [1, 4])) == 1  # 5 pairs under load
+    lo, hi = median_interval([0.9, 1.1, 0.95, 1.05, 1.0, 0.97])
+    assert lo <= 0.985 <= hi and (lo, hi) == median_interval([0.9, 1.1, 0.95, 1.05, 1.0, 0.97])
+    assert median_interval([2.0] * 7) == (2.0, 2.0)
+
+
 class OpenAIStandIn(http.server.BaseHTTPRequestHandler):
     """An OpenAI-compatible server that is not ddspec, for bench-serve's --url: /health answers ok,
     subclasses answer POSTs (``stream`` sends chat chunks without usage)."""

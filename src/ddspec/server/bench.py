@@ -17,10 +17,12 @@ one); ``--batch 1,16`` starts one per value. With ``--llama-server PATH`` llama.
 ``llama.cpp``). All servers start first, and at each concurrency level the arms take turns (each
 idles while another is measured), ``--repeats`` times, so that a drift in the machine's speed hits
 them alike; a row is the median run, and each method is also given as a run-by-run ratio to
-vanilla on the same server (speculation on / off at that load). Column "= solo": how many of a row's
-answers (all its runs) equal the first arm's answer to the same prompt in its first run at the first
-concurrency (with ``--batch 1`` first and ``--concurrency 1`` first: each answer decoded alone);
-greedy decoding under load is lossless when they all do (ddspec's servers only).
+vanilla on the same server (speculation on / off at that load); from 6 run pairs under load (two or
+more clients), their pooled median with a bootstrap 95% interval says whether the run can tell the
+two apart. Column "= solo": how many of a row's answers (all its runs) equal the first arm's answer
+to the same prompt in its first run at the first concurrency (with ``--batch 1`` first and
+``--concurrency 1`` first: each answer decoded alone); greedy decoding under load is lossless when
+they all do (ddspec's servers only).
 Clients are threads with plain ``http.client``, which cost little next to decoding.
 """
 
@@ -31,6 +33,7 @@ import contextlib
 import http.client
 import json
 import math
+import random
 import statistics
 import sys
 import threading
@@ -237,7 +240,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per method and concurrency (default 16)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each row; the arms take turns at each load and each row reports its median "
-                        "run by tokens/s, with the run-by-run ratio of each method to vanilla (default 1)")
+                        "run by tokens/s, with the run-by-run ratio of each method to vanilla; from 6 run pairs "
+                        "under load, their pooled median with a bootstrap 95%% interval (default 1)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"JSONL prompt file or a shipped set: mt-bench, humaneval, gsm8k (default {DEFAULT_PROMPTS})")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per load request (default 128)")
     p.add_argument("--chat-max-tokens", type=int, default=512,
@@ -397,21 +401,44 @@ def median_run(runs: list[dict]) -> dict:
                 tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
 
 
+def median_interval(values: list[float], level: float = 0.95, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values``: the medians of ``rounds`` resamples drawn with
+    replacement, their (1 - level) / 2 and (1 + level) / 2 quantiles (a fixed seed: the same figures
+    give the same interval)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int((1 - level) / 2 * rounds)], medians[min(rounds - 1, int((1 + level) / 2 * rounds))]
+
+
+POOLED_FROM = 6  # run pairs under load from which the report gives their pooled median an interval
+
+
 def paired_ratios(arms: list[Arm], runs: dict, concurrency: list[int]) -> list[str]:
     """Speculation on / off per load: each method's tokens/s over vanilla's on the same server, run by
-    run (the two ran back to back), the median of those ratios."""
+    run (the two ran back to back), the median of those ratios. With POOLED_FROM or more pairs at
+    two or more clients, also their pooled median and a bootstrap 95% interval of it: whether this
+    run can tell speculation under load from plain decoding, which one pair per load cannot on a
+    machine whose speed drifts between runs."""
     lines = []
     for arm in arms:
         base = next((a for a in arms if a.client is arm.client and a.method == "vanilla"), None)
         if base is None or arm is base or arm.method is None:
             continue
-        cells = []
+        cells, loaded = [], []
         for c in concurrency:
             ratios = [on["tokens_per_s"] / off["tokens_per_s"] for on, off in zip(runs[(arm.label, c)],
                                                                                    runs[(base.label, c)])
                       if off["tokens_per_s"] > 0]
             cells.append(f"{statistics.median(ratios):.2f}x at {c}" if ratios else f"— at {c}")
+            if c > 1:
+                loaded += ratios
         lines.append(f"{arm.label} / {base.label}, tokens/s (median of run-by-run ratios): " + ", ".join(cells))
+        if len(loaded) >= POOLED_FROM:
+            lo, hi = median_interval(loaded)
+            where = "above" if lo > 1 else "below" if hi < 1 else "on either side of"
+            lines.append(f"{arm.label} / {base.label} under load ({', '.join(str(c) for c in concurrency if c > 1)} "
+                         f"clients, {len(loaded)} run pairs): median {statistics.median(loaded):.3f}x, 95% interval "
+                         f"of the median {lo:.3f}-{hi:.3f}x (bootstrap): {where} 1")
     return lines
 
 
