@@ -140,8 +140,8 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
 
 def test_bench_serve_says_whether_its_runs_tell_speculation_under_load_from_plain():
     """The on / off ratio pooled over the runs under load, with a bootstrap interval of its median:
-    a steady 10% loss is told apart from plain decoding, a spread around 1 is not, one client's runs
-    are left out, and too few pairs get no interval."""
+    a steady 10% loss is told apart from plain decoding, a spread to either side of 1 is not, one
+    client's runs are left out, and too few pairs get no interval."""
     from ddspec.server.bench import Arm, median_interval, paired_ratios
 
     server = object()
