@@ -322,6 +322,37 @@ def test_each_choice_learns_from_the_trees_drafted_under_it(tiny_dirs, monkeypat
     assert any(rows > n for drafted, (n, rows, _) in learned if drafted)
 
 
+@needs_kernels
+def test_drafting_is_not_tried_where_no_sequences_tree_or_chain_could_pay(tiny_dirs, monkeypatch):
+    """The worker's rates say draft at every step, but no slot's policy finds a tree or a lookup
+    chain that could pay at the batch's prices: every step is plain (one row per sequence) and
+    learned as held back."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from ddspec.models.loading import load_target
+    from ddspec.server.batch import BatchWorker
+    from ddspec.server.build import LiveServer, make_service
+    from ddspec.tree.choice import RateChoice
+    from ddspec.tree.cost import CostAwarePolicy
+
+    target = load_target(str(tiny_dirs["llama"]), impl="native")
+    last, learned, asked = [None], [], []
+    forward_many = target.forward_many
+    monkeypatch.setattr(target, "forward_many", lambda calls: last.__setitem__(0, (
+        len(calls), sum(c[1].shape[-1] for c in calls), any(c[5] for c in calls))) or forward_many(calls))
+    monkeypatch.setattr(RateChoice, "choose", lambda self: True)
+    monkeypatch.setattr(CostAwarePolicy, "may_pay", lambda self: asked.append(self.batch) or False)
+    monkeypatch.setattr(CostAwarePolicy, "chains_pay", lambda self, orders, available: False)
+    learn = BatchWorker._learn_rate
+    monkeypatch.setattr(BatchWorker, "_learn_rate", lambda self, n, d, tokens, s, prefill=False: learned.append(
+        (d, last[0])) or learn(self, n, d, tokens, s, prefill))
+    with LiveServer(make_service(target, method="ddspec", head="random:1", max_tokens=40, batch=4)) as url:
+        concurrent_requests(url, [40] * 4)
+    assert learned and not any(drafted for drafted, _ in learned)
+    assert all(rows == n for _, (n, rows, prefill) in learned if not prefill)
+    assert any(batch[0] > 0 for batch in asked)  # asked at the batch's prices
+
+
 def test_the_outbox_wakes_each_loop_once_per_flush_and_keeps_each_jobs_order():
     """A batching worker's step emits an event per sequence: they reach their handlers' loop in one
     call, each job's events in the order sent, and nothing is delivered before the flush."""

@@ -204,6 +204,30 @@ def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
     assert flat.may_pay() and flat.draft_now()
 
 
+def test_a_step_held_back_by_the_batch_teaches_nothing_and_its_forecast_is_kept():
+    """Held back by the batch worker (plain_only), a slot's step is its root's row among the others':
+    its time is no plain step's alone nor a tree's, so nothing it measured moves the learned costs or
+    the plain rate a lone sequence uses; its forecast is the batch's plain step, priced once per
+    pricing (every sequence holds every step) and as priced afresh."""
+    steep = policy(linear_cost(2.0, 2.0, n_max=256))
+    steep.batch = (15, 15.0, 0.0)
+    steep.plain_only = True
+    before = steep.snapshot()
+    costs = steep.costs.snapshot()
+    for _ in range(40):
+        assert not steep.hold()
+        steep.observe_step(16, 1, 0.1, 50.0, 0.5)
+    assert steep.snapshot() == before and steep.costs.snapshot() == costs and steep.steps_seen == 40
+    assert steep.prediction == (16.0, steep._batch_plain_ms())
+    steep.batch = (3, 3.0, 0.0)
+    steep.hold()
+    assert steep.prediction == (4.0, steep._batch_plain_ms())
+    steep.plain_only = False  # allowed to draft, a plain step beside the batch counts as before
+    steep.hold()
+    steep.observe_step(4, 1, 0.1, 20.0, 0.5)
+    assert steep.snapshot() != before
+
+
 def test_beside_a_batch_the_table_is_not_searched_where_no_chain_of_its_orders_could_pay():
     """chains_may_pay: beside 15 sequences on a forward whose every row costs the batch, a table
     match whose first token is accepted 1 time in 50 cannot pay for its row, so the lookup is told
@@ -218,6 +242,7 @@ def test_beside_a_batch_the_table_is_not_searched_where_no_chain_of_its_orders_c
     answers = [steep.chains_may_pay((102,), 3) for _ in range(2 * steep.chain_explore)]
     assert answers.count(True) == 2 and answers[steep.chain_explore - 1] and answers[-1]
     assert steep.chains_may_pay((102, 3), 3)  # any order that pays
+    assert steep.chains_pay((102, 3), 3) and not any(steep.chains_pay((102,), 3) for _ in range(40))  # no tries
     assert steep.chain_length(3, 3) == 3
     steep.plain_only = True  # held back by the batch: no chain at all
     assert not steep.chains_may_pay((3,), 3) and steep.chain_length(3, 3) == 0

@@ -146,9 +146,10 @@ class EagleDrafter(Drafter):
         self.last_policy = None
         # committed positions whose head entries wait for the next drafted step (the cost-aware
         # method's plain steps skip the head): a forward's features and hidden states, the rows of
-        # them committed (None: all), and the next tokens [n], which the context vocabulary has not
-        # seen yet when ``unseen`` (a plain step leaves all of it to the catch-up: it only records)
-        self._pending: list[tuple[TargetOutput, torch.Tensor | None, torch.Tensor, bool]] = []
+        # them committed (None: all), and the next tokens ([n], or a plain step's next root []), which
+        # the context vocabulary has not seen yet when ``unseen`` (a plain step leaves all of it to
+        # the catch-up: it only records, a few microseconds per sequence and step)
+        self._pending: list[tuple[torch.Tensor, dict, torch.Tensor | None, torch.Tensor, bool]] = []
         self._plain_step = False
         self._caught_up = False  # this step's draft time includes catching the head up
         self._head_nodes = 1  # nodes of this step's tree that the head drafted (a lookup chain may follow)
@@ -261,7 +262,7 @@ class EagleDrafter(Drafter):
         for entry in self._pending:
             if covered >= length:
                 break
-            covered, needed = covered + entry[2].numel(), needed + 1
+            covered, needed = covered + entry[3].numel(), needed + 1
         del self._pending[needed:]
         self._flush_pending()
         self.cache.reserve(max_length + self._max_draft_slots())
@@ -284,8 +285,7 @@ class EagleDrafter(Drafter):
         self._see(torch.cat([prompt[:1].to(self.device), nxt]))
         if self.cost_policy is not None:  # the head takes the prompt in when it first drafts: on a machine
             # where drafting does not pay, the policy keeps to plain steps and the head never runs
-            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), None, nxt,
-                                  False))
+            self._pending.append((target_out.features, dict(target_out.hidden_states), None, nxt, False))
             return
         self._commit_entries(self._committed_features(target_out), nxt)
 
@@ -297,10 +297,12 @@ class EagleDrafter(Drafter):
                 self.cost_policy.observe_chain(self.lookup.order, tree.size - 1, verdict.accepted)
             # the raw forward only (not its logits): the committed rows are picked, the head's input
             # features computed and the context vocabulary told, for all pending steps at once
-            path = verdict.path if tree.size > 1 else None  # (the root's row alone: the forward's only row)
-            nxt = verdict.bonus.view(1) if path is None else torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
-            self._pending.append((TargetOutput(None, target_out.features, dict(target_out.hidden_states)), path, nxt,
-                                  True))  # (a lookup chain's accepted tokens too)
+            if tree.size > 1:  # (a lookup chain's accepted tokens too)
+                path = verdict.path
+                nxt = torch.cat([tree.tokens[path[1:]], verdict.bonus.view(1)])
+            else:  # the root's row alone: the forward's only row
+                path, nxt = None, verdict.bonus
+            self._pending.append((target_out.features, dict(target_out.hidden_states), path, nxt, True))
             return
         if self.cost_policy is not None and tree.size > 1:
             n = self._head_nodes  # the acceptance map learns from the head's nodes only
@@ -330,8 +332,9 @@ class EagleDrafter(Drafter):
         """Catch the head up over the plain steps' positions, in one forward."""
         self._caught_up = bool(self._pending)
         if self._pending:
-            outs, picks, tokens, unseen = zip(*self._pending)
+            features, hidden, picks, tokens, unseen = zip(*self._pending)
             self._pending.clear()
+            tokens = [t.reshape(-1) for t in tokens]
 
             def rows(x: torch.Tensor, pick: torch.Tensor | None) -> torch.Tensor:
                 return x if pick is None else x[pick]
@@ -339,14 +342,23 @@ class EagleDrafter(Drafter):
             new = [t for t, u in zip(tokens, unseen) if u]
             if new:
                 self._see(torch.cat(new))
-            committed = TargetOutput(None, torch.cat([rows(o.features, p) for o, p in zip(outs, picks)]),
-                                     {i: torch.cat([rows(o.hidden_states[i], p) for o, p in zip(outs, picks)])
-                                      for i in outs[0].hidden_states})
+            committed = TargetOutput(None, torch.cat([rows(f, p) for f, p in zip(features, picks)]),
+                                     {i: torch.cat([rows(h[i], p) for h, p in zip(hidden, picks)]) for i in hidden[0]})
             self._commit_entries(self._committed_features(committed), torch.cat(tokens))
 
     @property
     def committed(self) -> int:
         return self._committed
+
+    def may_draft(self) -> bool:
+        """Whether a drafted step could pay at the coming step's prices (its policy's ``batch`` set
+        beside other sequences): the head's usual chain (``CostAwarePolicy.may_pay``) or a lookup
+        chain of any order. The batch worker tries drafting at a load only where some sequence's
+        could; without a cost policy always True."""
+        policy = self.cost_policy
+        if policy is None or policy.may_pay():
+            return True
+        return self.lookup is not None and policy.chains_pay(self.lookup.orders, self.lookup.max_drafts)
 
     def propose(self, root: torch.Tensor, position: int) -> DraftTree:
         if self.cost_policy is not None and self.cost_policy.plain_only:  # held back by a batch: plain

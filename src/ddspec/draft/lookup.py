@@ -102,6 +102,11 @@ class LookupDrafter(Drafter):
         return []
 
     @property
+    def orders(self) -> tuple[int, ...]:
+        """The ``order`` values a continuation can have: the context's n-grams, then the table's."""
+        return tuple(range(self.min_ngram, self.max_ngram + 1)) + self.table_orders
+
+    @property
     def table_orders(self) -> tuple[int, ...]:
         """The ``order`` values a table match can have (none without a table)."""
         return () if self.table is None else tuple(TABLE_ORDER + n for n in self.table.orders)

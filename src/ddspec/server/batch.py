@@ -33,7 +33,10 @@ worker measures the batch's tokens per second with drafting allowed and with it 
 load class (2, 3-4, 5-8, 9-16, ... sequences), and allows drafting only where that has been faster
 by about 10% (held back is where it starts; the other choice is tried for 4 steps after 64, that
 wait doubling to 512 while it stays the worse: tree/choice.py), so that speculation costs the batch
-little where it does not pay; each choice learns from the cycle its trees ran in (see _run).
+little where it does not pay; each choice learns from the cycle its trees ran in (see _run). Where
+no sequence's tree or lookup chain could pay at the step's prices (``EagleDrafter.may_draft``),
+drafting is not tried at all, and a held-back slot's step costs what a plain one does (its head
+takes in the held-back positions when it next drafts, its policy learns nothing from them).
 """
 
 from __future__ import annotations
@@ -80,6 +83,14 @@ class Slot:
     @property
     def policy(self):
         return None if self.request is None else getattr(self.request.drafter, "cost_policy", None)
+
+    def may_draft(self) -> bool:
+        """Whether this slot's drafter could draft a step that pays at the batch's prices (False for a
+        slot without a cost policy, which the worker's choice does not steer)."""
+        if self.policy is None:
+            return False
+        may = getattr(self.request.drafter, "may_draft", None)
+        return may is None or may()
 
 
 class BatchWorker(EngineWorker):
@@ -149,9 +160,11 @@ class BatchWorker(EngineWorker):
                     active.append(slot)
             self.busy = bool(active)
             self._step_tokens = 0
+            self._price(active)
             choice = self._choose_drafting(active)
-            drafting = choice is not False
-            self._tell_policies(active, drafting)
+            for slot in active:
+                if slot.policy is not None:
+                    slot.policy.plain_only = choice is False
             for slot in active:
                 self._advance(slot, None)
             ready = [s for s in self.slots if s.job is not None and s.pending is not None]
@@ -188,7 +201,7 @@ class BatchWorker(EngineWorker):
             if self._cycle is not None:
                 made, n, since = self._cycle
                 self._learn_rate(n, made, self._step_tokens, t_verify - since, prefill)
-            self._cycle = None if choice is None else (drafting, len(active), t_verify)
+            self._cycle = None if choice is None else (choice, len(active), t_verify)
 
     def _begin(self, free: list[Slot], job: Job) -> Slot | None:
         """Put a job into one of the ``free`` slots (tokenizing its prompt here): the one whose caches
@@ -297,7 +310,10 @@ class BatchWorker(EngineWorker):
         if choice is None:
             choice = self._choices[load] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
                                                       self.rate_decay, self.margin, self.draft_margin, in_use=False)
-        return choice.choose()
+        # where no sequence's tree or lookup chain could pay at this step's prices, there is nothing to
+        # try: the step is plain, and learned as such (allowed, such steps cost the batch the rows of the
+        # policies' own explorations and measure nothing but the machine's noise)
+        return choice.choose() and any(s.may_draft() for s in active)
 
     @staticmethod
     def _load(n: int) -> int:
@@ -314,12 +330,12 @@ class BatchWorker(EngineWorker):
         if choice is not None and tokens and not prefill:
             choice.observe(drafting, tokens, seconds)
 
-    def _tell_policies(self, ready: list[Slot], drafting: bool = True) -> None:
-        """Each cost-aware slot learns whether it may draft and what its tree is priced beside: the
-        plain batch of the others (a row and a token each, no draft time; see the module docstring)."""
-        others = len(ready) - 1
-        for s in ready:
+    @staticmethod
+    def _price(active: list[Slot]) -> None:
+        """Each cost-aware slot learns what its tree is priced beside: the plain batch of the others (a
+        row and a token each, no draft time; see the module docstring)."""
+        others = len(active) - 1
+        for s in active:
             if s.policy is not None:
-                s.policy.plain_only = not drafting
                 s.policy.batch = (others, float(others), 0.0)
 

@@ -237,7 +237,10 @@ class CostAwarePolicy:
         """A plain step without a choice (held back by the batch, or no tree may pay): its forecast
         is plain decoding's; False."""
         self.drafting, self.levels, self._probe_size, self._probe_extra = False, 0, False, (0.0, 0.0)
-        self.prediction = (1.0 + self.batch[1], self._batch_plain_ms() if self.batch[0] else self._plain_step_ms())
+        if self.batch[0]:  # beside a batch every sequence holds each step: its price kept as may_pay keeps its answer
+            self.prediction = self._kept(("hold",), lambda: (1.0 + self.batch[1], self._batch_plain_ms()))
+        else:
+            self.prediction = (1.0 + self.batch[1], self._plain_step_ms())
         return False
 
     def draft_now(self, chain: bool | None = None) -> bool:
@@ -352,12 +355,17 @@ class CostAwarePolicy:
             return True
         if self.plain_only:
             return False
-        answer = self._kept((orders, available, "any"),
-                            lambda: any(self._best_chain(o, available) > 0 for o in orders))
+        answer = self.chains_pay(orders, available)
         if not answer:
             self._chain_refusals += 1
             return self._chain_refusals % self.chain_explore == 0
         return True
+
+    def chains_pay(self, orders: tuple[int, ...], available: int) -> bool:
+        """Whether a continuation of any of these n-gram ``orders`` (up to ``available`` tokens) has a
+        token worth verifying at the coming step's prices, without exploration (kept as :meth:`may_pay`
+        keeps its answer beside a batch)."""
+        return self._kept((orders, available, "any"), lambda: any(self._best_chain(o, available) > 0 for o in orders))
 
     def _chain_counts(self, order: int, length: int) -> tuple[list[float], list[float]]:
         """(offered, accepted) counts of an order's continuation tokens 1 .. at least ``length``."""
@@ -462,6 +470,11 @@ class CostAwarePolicy:
         of verification (learned as such, beside 16-row batches, they are the only forwards that reach
         the curve's largest sizes, which a serving run had learned at 2.5x their calibrated cost and the
         drift check then wrote into the calibration cache)."""
+        if self.plain_only:  # held back beside a batch: its root's row among theirs, nothing to learn (a plain
+            # step alone is priced by the costs, beside a batch by the forecast; see plain_rate)
+            self._since_plain, self._since_draft = 0, self._since_draft + 1
+            self._counted()
+            return
         rows, others = self.verified_beside, self.batch[1]
         timed = not self.beside_prefill  # another sequence's prompt chunk shared the forward: no step's time
         if timed and (self.drafting or not rows):  # (a plain step's time beside others teaches no plain step's cost)
@@ -496,9 +509,7 @@ class CostAwarePolicy:
                     self._chain_ms = self._chain_ms * c + step_ms
                     self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
-        self.steps_seen += 1
-        if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
-            self.remember(self.snapshot())
+        self._counted()
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
@@ -508,6 +519,12 @@ class CostAwarePolicy:
                 what, calibrated, learned = drifts[0]
                 why = f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
             persist(self.costs.as_calibration(), why)
+
+    def _counted(self) -> None:
+        """One more step seen; what was learned is handed to ``remember`` every SAVE_EVERY steps."""
+        self.steps_seen += 1
+        if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
+            self.remember(self.snapshot())
 
     # -- memory across runs ----------------------------------------------------------------
     # the rates, counts and decayed sums a run learns; a one-shot `ddspec generate` is a new process
