@@ -353,6 +353,23 @@ def test_drafting_is_not_tried_where_no_sequences_tree_or_chain_could_pay(tiny_d
     assert any(batch[0] > 0 for batch in asked)  # asked at the batch's prices
 
 
+def test_a_worker_keeps_what_lives_as_long_as_it_out_of_the_collectors_full_passes():
+    """What is alive when a worker starts (the model, the drafters) is frozen out of the cycle
+    collector's passes while it runs, and handed back when it stops."""
+    import gc
+
+    from ddspec.server.worker import EngineWorker
+
+    worker = EngineWorker(None, lambda method: None, "vanilla")
+    before = gc.get_freeze_count()
+    worker.start()
+    try:
+        assert gc.get_freeze_count() > before
+    finally:
+        worker.stop()
+    assert gc.get_freeze_count() == 0 and not worker.alive
+
+
 def test_the_outbox_wakes_each_loop_once_per_flush_and_keeps_each_jobs_order():
     """A batching worker's step emits an event per sequence: they reach their handlers' loop in one
     call, each job's events in the order sent, and nothing is delivered before the flush."""

@@ -135,7 +135,11 @@ def test_bench_serve_on_a_tiny_model(tiny_dirs, tmp_path, capsys):
     assert "the server decoding up to 16 requests together" in summary  # serve's default on the native target
     assert "- eagle2@d3k2n4 / vanilla, tokens/s (median of run-by-run ratios): " in summary
     assert re.search(r"\d\.\d\dx at 1, \d+\.\d\dx at 3", summary)
-    assert summary in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert summary in captured.out
+    # the arms take turns, in reverse order every other time (neither always runs after the other)
+    order = re.findall(r"\[bench-serve\] (\S+) x1 \((\d)/2\)", captured.err)
+    assert order == [("vanilla", "1"), ("eagle2@d3k2n4", "1"), ("eagle2@d3k2n4", "2"), ("vanilla", "2")]
 
 
 def test_bench_serve_says_whether_its_runs_tell_speculation_under_load_from_plain():

@@ -296,7 +296,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         runs: dict[tuple[str, int], list[dict]] = {}
         for i, c in enumerate(args.concurrency):  # every arm at this load, in turn, --repeats times
             for rep in range(args.repeats):
-                for arm in arms:
+                # the order reversed every other time: an arm that always ran after another would carry
+                # whatever the one before leaves to the run after it (the collector's work, a cooler cache)
+                for arm in arms if rep % 2 == 0 else arms[::-1]:
                     r = dict(load_run(arm.client, arm.method, c, firsts, args.requests, args.max_tokens),
                              method=arm.label)
                     runs.setdefault((arm.label, c), []).append(r)
@@ -331,7 +333,7 @@ def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: li
               f"(first turns, greedy, {args.max_tokens} tokens), {args.requests} requests per row"
               + (f", the server decoding up to {health['batch']} requests together" if len(args.batch or [0]) == 1
                  and health.get("batch", 1) > 1 else "")
-              + (f", median of {args.repeats} runs by tokens/s (arms interleaved)" if args.repeats > 1 else "")
+              + (f", median of {args.repeats} runs by tokens/s (arms interleaved, in turn forwards and backwards)" if args.repeats > 1 else "")
               + f", {time.strftime('%Y-%m-%d %H:%M')}"
               + ("" if complete else f" (incomplete: concurrency {','.join(map(str, levels))} measured so far)"))
     text = report(rows, reuse, header, paired_ratios(arms, runs, levels))
