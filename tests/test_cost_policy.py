@@ -207,17 +207,22 @@ def test_beside_a_batch_a_tree_that_cannot_pay_is_neither_drafted_nor_tried():
 def test_a_step_held_back_by_the_batch_teaches_nothing_and_its_forecast_is_kept():
     """Held back by the batch worker (plain_only), a slot's step is its root's row among the others':
     its time is no plain step's alone nor a tree's, so nothing it measured moves the learned costs or
-    the plain rate a lone sequence uses; its forecast is the batch's plain step, priced once per
-    pricing (every sequence holds every step) and as priced afresh."""
+    the plain rate a lone sequence uses, and nothing is saved; its forecast is the batch's plain step,
+    priced once per pricing (every sequence holds every step) and as priced afresh."""
     steep = policy(linear_cost(2.0, 2.0, n_max=256))
     steep.batch = (15, 15.0, 0.0)
     steep.plain_only = True
+    saved = []
+    steep.remember = saved.append
     before = steep.snapshot()
     costs = steep.costs.snapshot()
     for _ in range(40):
         assert not steep.hold()
         steep.observe_step(16, 1, 0.1, 50.0, 0.5)
     assert steep.snapshot() == before and steep.costs.snapshot() == costs and steep.steps_seen == 40
+    steep.steps_seen = steep.SAVE_EVERY - 1
+    steep.observe_step(16, 1, 0.1, 50.0, 0.5)
+    assert not saved  # nothing learned, nothing written
     assert steep.prediction == (16.0, steep._batch_plain_ms())
     steep.batch = (3, 3.0, 0.0)
     steep.hold()

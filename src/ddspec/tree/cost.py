@@ -471,9 +471,9 @@ class CostAwarePolicy:
         the curve's largest sizes, which a serving run had learned at 2.5x their calibrated cost and the
         drift check then wrote into the calibration cache)."""
         if self.plain_only:  # held back beside a batch: its root's row among theirs, nothing to learn (a plain
-            # step alone is priced by the costs, beside a batch by the forecast; see plain_rate)
+            # step alone is priced by the costs, beside a batch by the forecast; see plain_rate), nothing to save
             self._since_plain, self._since_draft = 0, self._since_draft + 1
-            self._counted()
+            self.steps_seen += 1
             return
         rows, others = self.verified_beside, self.batch[1]
         timed = not self.beside_prefill  # another sequence's prompt chunk shared the forward: no step's time
@@ -509,7 +509,9 @@ class CostAwarePolicy:
                     self._chain_ms = self._chain_ms * c + step_ms
                     self._chain_steps += 1
             self._since_plain, self._since_draft = 0, self._since_draft + 1
-        self._counted()
+        self.steps_seen += 1
+        if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
+            self.remember(self.snapshot())
         if (self.persist is not None and self.costs.steps >= self.min_steps
                 and self.costs.drift(self.drift_seen) > self.drift_limit):
             persist, self.persist = self.persist, None  # once per run
@@ -519,12 +521,6 @@ class CostAwarePolicy:
                 what, calibrated, learned = drifts[0]
                 why = f"{what}: {calibrated:.2f} ms calibrated, {learned:.2f} ms in this run's steps"
             persist(self.costs.as_calibration(), why)
-
-    def _counted(self) -> None:
-        """One more step seen; what was learned is handed to ``remember`` every SAVE_EVERY steps."""
-        self.steps_seen += 1
-        if self.remember is not None and self.steps_seen % self.SAVE_EVERY == 0:
-            self.remember(self.snapshot())
 
     # -- memory across runs ----------------------------------------------------------------
     # the rates, counts and decayed sums a run learns; a one-shot `ddspec generate` is a new process
