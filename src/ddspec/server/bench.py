@@ -333,7 +333,8 @@ def _write_out(args: argparse.Namespace, arms: list[Arm], runs: dict, levels: li
               f"(first turns, greedy, {args.max_tokens} tokens), {args.requests} requests per row"
               + (f", the server decoding up to {health['batch']} requests together" if len(args.batch or [0]) == 1
                  and health.get("batch", 1) > 1 else "")
-              + (f", median of {args.repeats} runs by tokens/s (arms interleaved, in turn forwards and backwards)" if args.repeats > 1 else "")
+              + (f", median of {args.repeats} runs by tokens/s (arms interleaved, in turn forwards and backwards)"
+                 if args.repeats > 1 else "")
               + f", {time.strftime('%Y-%m-%d %H:%M')}"
               + ("" if complete else f" (incomplete: concurrency {','.join(map(str, levels))} measured so far)"))
     text = report(rows, reuse, header, paired_ratios(arms, runs, levels))
