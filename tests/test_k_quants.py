@@ -121,6 +121,8 @@ def test_k_int8_activations_compute_their_integer_arithmetic(qtype):
     assert ((y.double() - exact).norm() / exact.norm()).item() <= 3e-2
     for r in range(13):
         assert torch.equal(y[r], fast(x[r:r + 1])[0])
+    for n in (5, 6, 7, 12):  # every tile size of the 8-lane passes (13 rows run as 5 + 4 + 4 or 4 + 3 + 3 + 3)
+        assert torch.equal(fast(x[:n]), y[:n]), f"{n} rows"
     ahead, from_rows = native.prefetch_blocks(), native.prefetch_rows()
     try:
         for rows in (0, 1, 14):  # the rounding of the rows by every thread, or shared

@@ -418,6 +418,8 @@ def test_int8_activation_kernels_compute_their_integer_arithmetic(kind):
     assert ((y - exact).norm() / exact.norm()).item() <= 3e-2
     for r in range(13):
         assert torch.equal(y[r], fast(x[r:r + 1])[0])
+    for n in (5, 6, 7, 12):  # every tile size of the 8-lane passes (13 rows run as 5 + 4 + 4)
+        assert torch.equal(fast(x[:n]), y[:n]), f"{n} rows"
     try:
         for rows in (0, 1, 14):  # the rows rounded by every thread, or once and shared (13 rows: from 3 on, the default)
             native.set_share_rows(rows)

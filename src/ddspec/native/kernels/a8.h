@@ -127,6 +127,12 @@ static inline __attribute__((always_inline)) __m256i bcast4(const int8_t *p) {
                      * 13.5-13.7, 1 row 6.0-6.6 -> 6.1-6.3; 4 or 8 blocks ahead slowed 1 row (6.3-6.6) */
 #endif
 
+#ifndef A8_TILE_NIBBLES
+#define A8_TILE_NIBBLES 6 /* rows per 8-lane pass of 4-bit levels (DD_Q4_1_A8, DD_Q4_K_A8): 2R running sums, the
+                           * two level registers and a broadcast row (15 of the 16 vector registers at 6). Each
+                           * further tile of a group unpacks its levels again and scales its blocks' ends anew */
+#endif
+
 /* Rows [0, R) of the rounded activations against group g (R = 1 .. the kind's tile); sq: the rows'
  * sums of qx per 16 inputs for DD_Q6_K_A8 (its zero points), else NULL. */
 typedef void (*a8_pass)(const dd_weight *W, int64_t g, const int8_t *qx, const float *dx, const float *sx,

@@ -297,12 +297,16 @@ static inline __attribute__((always_inline)) void k_scaled_a8(int64_t kind, cons
     }
 
 /* y (+)= x @ W^T with 8-bit activations (a8_gemm: the rounding of the rows, shared or not, and
- * their block sums for the minimums; tiles of at most 4 rows) */
+ * their block sums for the minimums): tiles of at most A8_TILE_NIBBLES rows for 4-bit levels, whose
+ * 2R sums, two level registers and a broadcast row fit the 16 vector registers, and of at most 4
+ * for 6-bit ones (four level registers and two broadcasts) */
 #define KAGEMM(KIND_ID, KIND)                                                                       \
     KAPASS(KIND_ID, KIND, 1) KAPASS(KIND_ID, KIND, 2) KAPASS(KIND_ID, KIND, 3) KAPASS(KIND_ID, KIND, 4) \
+    KAPASS(KIND_ID, KIND, 5) KAPASS(KIND_ID, KIND, 6)                                               \
     DD_HIDDEN void dd_mm_##KIND(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) { \
-        static const a8_pass passes[4] = {kapass_##KIND##_1, kapass_##KIND##_2, kapass_##KIND##_3, kapass_##KIND##_4}; \
-        a8_gemm(W, x, n, y, ldy, acc, passes, 4, NULL);                                             \
+        static const a8_pass passes[6] = {kapass_##KIND##_1, kapass_##KIND##_2, kapass_##KIND##_3, \
+                                          kapass_##KIND##_4, kapass_##KIND##_5, kapass_##KIND##_6}; \
+        a8_gemm(W, x, n, y, ldy, acc, passes, K_NIBBLES(KIND_ID) ? A8_TILE_NIBBLES : 4, NULL);      \
     }
 
 #endif /* DD_KQUANT_H */

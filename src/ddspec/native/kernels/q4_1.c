@@ -47,10 +47,10 @@ QGEMM(DD_Q4_1, q4_1)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
             store_group(W, g, _mm256_load_ps(tot + r * 16), _mm256_load_ps(tot + r * 16 + 8), y + r * ldy, accumulate); \
     }
-APASS(1) APASS(2) APASS(3) APASS(4)
+APASS(1) APASS(2) APASS(3) APASS(4) APASS(5) APASS(6)
 AWPASSES(DD_Q4_1_A8, q4_1a8)
 
 DD_HIDDEN void dd_mm_q4_1a8(const dd_weight *W, const float *x, int64_t n, float *y, int64_t ldy, int acc) {
-    static const a8_pass passes[4] = {apass_1, apass_2, apass_3, apass_4};
-    a8_gemm(W, x, n, y, ldy, acc, passes, 4, A8_WIDE(q4_1a8));
+    static const a8_pass passes[6] = {apass_1, apass_2, apass_3, apass_4, apass_5, apass_6};
+    a8_gemm(W, x, n, y, ldy, acc, passes, A8_TILE_NIBBLES, A8_WIDE(q4_1a8));
 }
