@@ -32,8 +32,10 @@ forward has run, each policy learns from it with the rows it really verified. Ov
 worker measures the batch's tokens per second with drafting allowed and with it held back, per
 load class (2, 3-4, 5-8, 9-16, ... sequences), and allows drafting only where that has been faster
 by about 10% (held back is where it starts; the other choice is tried for 4 steps after 64, that
-wait doubling to 512 while it stays the worse: tree/choice.py), so that speculation costs the batch
-little where it does not pay; each choice learns from the cycle its trees ran in (see _run). Where
+wait doubling to 256 while it stays the worse), comparing the two where they meet (the 4 steps
+before and after each change of choice: ``PairedRateChoice``, tree/choice.py), since this machine's
+speed moves between one try and the next; so speculation costs the batch little where it does not
+pay, and each choice learns from the cycle its trees ran in (see _run). Where
 no sequence's tree or lookup chain could pay at the step's prices (``EagleDrafter.may_draft``),
 drafting is not tried at all, and a held-back slot's step costs what a plain one does (its head
 takes in the held-back positions when it next drafts, its policy learns nothing from them).
@@ -49,7 +51,7 @@ from ddspec.engine import Chunk, Engine, Forward, Request
 from ddspec.errors import DdspecError
 from ddspec.server.protocol import ApiError
 from ddspec.server.worker import EngineWorker, Job, Outbox, kept_drafter
-from ddspec.tree.choice import RateChoice
+from ddspec.tree.choice import PairedRateChoice
 
 log = logging.getLogger("ddspec.server")
 
@@ -106,7 +108,7 @@ class BatchWorker(EngineWorker):
         self.model = target
         self.slots = [Slot(target.session(), make_drafter, default_method) for _ in range(slots)]
         # measured tokens per second of steps with drafting allowed / held back, per load class (_choose_drafting)
-        self._choices: dict[int, RateChoice] = {}
+        self._choices: dict[int, PairedRateChoice] = {}
         self._step_tokens = 0
         self._cycle: tuple[bool, int, float] | None = None  # (choice, sequences, start) of the step whose trees come next
         self._outbox = Outbox()  # the step's events, handed to the handlers' loops once per step
@@ -287,7 +289,7 @@ class BatchWorker(EngineWorker):
             if not job.cancelled.is_set():
                 self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - slot.t0)
 
-    explore_every, explore_steps, max_backoff, rate_decay, margin = 64, 4, 8, 0.95, 0.05  # see _choose_drafting
+    explore_every, explore_steps, max_backoff, rate_decay, margin = 64, 4, 4, 0.95, 0.05  # see _choose_drafting
     draft_margin = 0.05  # drafting allowed only where it has been the faster by this much more (see _choose_drafting)
 
     def _choose_drafting(self, active: list[Slot]) -> bool | None:
@@ -308,8 +310,9 @@ class BatchWorker(EngineWorker):
         load = self._load(n)
         choice = self._choices.get(load)
         if choice is None:
-            choice = self._choices[load] = RateChoice(self.explore_every, self.explore_steps, self.max_backoff,
-                                                      self.rate_decay, self.margin, self.draft_margin, in_use=False)
+            choice = self._choices[load] = PairedRateChoice(self.explore_every, self.explore_steps, self.max_backoff,
+                                                            self.rate_decay, self.margin, self.draft_margin,
+                                                            in_use=False)
         # where no sequence's tree or lookup chain could pay at this step's prices, there is nothing to
         # try: the step is plain, and learned as such (allowed, such steps cost the batch the rows of the
         # policies' own explorations and measure nothing but the machine's noise)
