@@ -145,6 +145,10 @@ def add_parser(sub) -> None:
                         "mt_bench:80,humaneval:20 (default: all three, --eval-limit each)")
     g.add_argument("--eval-full-vocab", action=argparse.BooleanOptionalAction, default=True,
                    help="with a reduced draft vocabulary, also measure the head over the full vocabulary")
+    g.add_argument("--eval-replay", action="store_true",
+                   help="check each tree against plain decoding's answer instead of verifying it on the target: "
+                        "the same trees and tau (greedy), without a target forward per step (a 60-node tree on a "
+                        "large target costs 10-20 tokens' time on a CPU); no speed is measured")
     g.add_argument("--context-vocab", type=int, default=TreeConfig().context_vocab, metavar="N",
                    help="eval: context tokens a reduced draft vocabulary may add, as `ddspec generate --context-vocab` "
                         f"(default {TreeConfig().context_vocab}; 0 = the head's own vocabulary only)")

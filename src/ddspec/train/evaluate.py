@@ -17,6 +17,7 @@ from ddspec.engine import Engine, RunStats
 from ddspec.errors import DdspecError
 from ddspec.methods import tree_config
 from ddspec.prompts import chat_prompt_ids
+from ddspec.train.replay import ReplayTarget, recorded_pass
 
 
 def first_turns(path: Path, limit: int) -> list[str]:
@@ -92,12 +93,20 @@ def _tau_by(keys: list, runs: list[RunStats]) -> dict:
 
 
 def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens: int, tree: TreeConfig = TreeConfig(),
-                  method: str = "eagle2", progress=None, categories: list[str] | None = None) -> dict:
+                  method: str = "eagle2", progress=None, categories: list[str] | None = None,
+                  replay: bool = False) -> dict:
     """τ, acceptance by depth and draft cost of ``head`` with ``method``'s trees, each turn also
     decoded plainly to check the output. A prompt is one user turn, or a conversation (a list of
-    user turns): turn k then follows turns 1..k-1 and plain decoding's answers to them."""
-    drafter = EagleDrafter(head, target, tree_config(method, tree))
+    user turns): turn k then follows turns 1..k-1 and plain decoding's answers to them.
+
+    replay: check the trees against plain decoding's answer instead of verifying them on the target
+    (train/replay.py: the same trees and τ, without a target forward per step); the tokens/s and
+    verification times then mean nothing, and the outputs equal plain decoding's by construction."""
+    config = tree_config(method, tree)
+    drafter = EagleDrafter(head, target, config)
     stop = StopConfig(max_new_tokens=new_tokens)
+    # a replayed step may look past the answer's last token by as many levels as a tree has
+    longer = StopConfig(max_new_tokens=new_tokens + max(config.depth, config.max_depth) + 1)
     runs, same, wall, plain_wall, tokens, turn_categories, turn_numbers = [], 0, 0.0, 0.0, 0, [], []
     for i, prompt in enumerate(prompts):
         messages: list[dict[str, str]] = []
@@ -105,16 +114,21 @@ def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens
             messages.append({"role": "user", "content": text})
             ids = chat_prompt_ids(target.tokenizer, messages)
             t0 = time.perf_counter()
-            ref = Engine(target).generate(ids, stop)
+            ref = Engine(target).generate(ids, longer if replay else stop)
+            answer = ref.token_ids[:new_tokens]
             t1 = time.perf_counter()
-            res = Engine(target, drafter).generate(ids, stop)
+            if replay:
+                features, hidden = recorded_pass(target, ids + ref.token_ids, drafter.hidden_layers)
+                res = Engine(ReplayTarget(target, ids + ref.token_ids, features, hidden), drafter).generate(ids, stop)
+            else:
+                res = Engine(target, drafter).generate(ids, stop)
             t2 = time.perf_counter()
-            same += res.token_ids == ref.token_ids
+            same += res.token_ids == answer
             runs.append(res.stats)
             turn_categories.append(categories[i] if categories else "")
             turn_numbers.append(turn)
             plain_wall, wall, tokens = plain_wall + t1 - t0, wall + t2 - t1, tokens + res.stats.new_tokens
-            messages.append({"role": "assistant", "content": target.tokenizer.decode(ref.token_ids, skip_special_tokens=True)})
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(answer, skip_special_tokens=True)})
             if progress:
                 progress.update(1)
     steps = [s for r in runs for s in r.steps]
@@ -133,5 +147,6 @@ def evaluate_head(target, head, prompts: list[str] | list[list[str]], new_tokens
         "verify_ms_per_step": sum(s.verify_ms for s in steps) / max(1, len(steps)),
         "identical_to_plain": f"{same}/{len(runs)}",
         "method": method,
+        "replay": replay,
         "tree": {"top_k": tree.top_k, "depth": tree.depth, "total_tokens": tree.total_tokens},
     }

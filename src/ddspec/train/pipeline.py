@@ -491,10 +491,12 @@ def stage_eval(args, out: Path, target) -> None:
         for vname, h in variants.items():
             for name, prompts in sets.items():
                 r = evaluate_head(target, h, prompts, new_tokens, progress=bar, categories=categories[name],
-                                  tree=TreeConfig(context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab)))
+                                  tree=TreeConfig(context_vocab=getattr(args, "context_vocab", TreeConfig().context_vocab)),
+                                  replay=getattr(args, "eval_replay", False))
                 results.setdefault(vname, {})[name] = r
                 # three places and the counts: a τ of 2.995 must not print as 3.00
-                log.info(f"{vname} {name} ({len(prompts)} prompts, {r['turns']} turns): tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
+                log.info(f"{vname} {name} ({len(prompts)} prompts, {r['turns']} turns{', replayed' if r['replay'] else ''}): "
+                         f"tau {r['tau']:.3f} ({r['tau_tokens']} tokens in "
                          f"{r['tau_steps']} steps), depth acceptance "
                          f"{[round(x, 2) for x in r['depth_acceptance']]}, draft {r['draft_ms_per_step']:.1f} ms/step, "
                          f"identical {r['identical_to_plain']}")
