@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ddspec.engine import Engine
 from ddspec.models.base import TargetOutput
 
 
@@ -75,19 +76,16 @@ class ReplayTarget:
         return TargetOutput(logits=torch.zeros(rows, 1), features=features, hidden_states=hidden, argmax=argmax)
 
 
-def recorded_pass(target, tokens: list[int], hidden_layers, chunk: int = 256) -> tuple[torch.Tensor, dict]:
-    """The target's features and ``hidden_layers`` at every position of ``tokens``, from one pass (in
-    chunks of ``chunk`` rows, as a prefill runs: the same bits as one forward); the logits only for
-    each chunk's last row."""
-    ids = torch.tensor(tokens, dtype=torch.long, device=target.device)
+def recorded_pass(target, tokens: list[int], hidden_layers) -> tuple[torch.Tensor, dict]:
+    """The target's features and ``hidden_layers`` at every position of ``tokens``, from one pass run as
+    the engine prefills a prompt (its chunks: the same bits as one forward)."""
     target.reset(len(tokens) + 1)
-    feats, hidden = [], {k: [] for k in hidden_layers}
-    for a in range(0, len(tokens), chunk):
-        b = min(len(tokens), a + chunk)
-        out = target.forward(ids[a:b], torch.arange(a, b, device=target.device), None, tuple(hidden_layers),
-                             last_logits=True)
-        feats.append(out.features.detach().cpu())
-        for k in hidden_layers:
-            hidden[k].append(out.hidden_states[k].detach().cpu())
+    chunks = Engine(target)._prefill(torch.tensor(tokens, dtype=torch.long), 0, tuple(hidden_layers))
+    try:
+        forward = next(chunks)
+        while True:
+            forward = chunks.send(forward.run(target))
+    except StopIteration as done:
+        out = done.value
     target.reset(1)
-    return torch.cat(feats), {k: torch.cat(v) for k, v in hidden.items()}
+    return out.features.detach().cpu(), {k: out.hidden_states[k].detach().cpu() for k in hidden_layers}

@@ -98,7 +98,7 @@ class PairedRateChoice(RateChoice):
             self._kind, self._head, self._tail = drafted, [], []
         if len(self._head) < k:
             self._head.append((tokens, time))
-        self._tail = self._tail[1 - k:] + [(tokens, time)] if k > 1 else [(tokens, time)]
+        self._tail = (self._tail + [(tokens, time)])[-k:]
         if self._before is not None and len(self._head) == k:
             self._pair(self._before, (self._kind, self._head))
             self._before = None
